@@ -1,0 +1,80 @@
+"""scopedlite: scale an unchanged PyTorch training loop by wrapping it in scopes.
+
+Every public name is re-exported here once; the modules behind them are private.
+"""
+
+from scopedlite._autocast import autocast as autocast
+from scopedlite._checkpoint import CheckpointError as CheckpointError
+from scopedlite._checkpoint import load as load
+from scopedlite._checkpoint import save as save
+from scopedlite._collectives import all_gather as all_gather
+from scopedlite._collectives import all_reduce as all_reduce
+from scopedlite._collectives import barrier as barrier
+from scopedlite._collectives import broadcast as broadcast
+from scopedlite._dataloader import setup_dataloader as setup_dataloader
+from scopedlite._join import join as join
+from scopedlite._launch import launch as launch
+from scopedlite._launchers._supervise import RankFailure as RankFailure
+from scopedlite._launchers._supervise import WorkerFailedError as WorkerFailedError
+from scopedlite._plan import Plan as Plan
+from scopedlite._plan import resolve as resolve
+from scopedlite._rank_zero import print as print  # noqa: A004
+from scopedlite._rank_zero import rank_zero_first as rank_zero_first
+from scopedlite._run import Run as Run
+from scopedlite._run import current as current
+from scopedlite._sampler import ShardedBatchSampler as ShardedBatchSampler
+from scopedlite._sampler import ShardedSampler as ShardedSampler
+from scopedlite._scope import ScopeError as ScopeError
+from scopedlite._scope import carry as carry
+from scopedlite._seed import seed_everything as seed_everything
+from scopedlite._setup import backward as backward
+from scopedlite._setup import clip_gradients as clip_gradients
+from scopedlite._setup import setup as setup
+from scopedlite._setup import setup_module as setup_module
+from scopedlite._setup import setup_optimizers as setup_optimizers
+from scopedlite._setup import to_device as to_device
+from scopedlite._sharded_init import sharded_init as sharded_init
+from scopedlite._strategies import DDPStrategy as DDPStrategy
+from scopedlite._strategies import SingleDeviceStrategy as SingleDeviceStrategy
+from scopedlite._strategies import Strategy as Strategy
+from scopedlite._sync import no_backward_sync as no_backward_sync
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "DDPStrategy",
+    "Plan",
+    "RankFailure",
+    "Run",
+    "ScopeError",
+    "ShardedBatchSampler",
+    "ShardedSampler",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "WorkerFailedError",
+    "all_gather",
+    "all_reduce",
+    "autocast",
+    "backward",
+    "barrier",
+    "broadcast",
+    "carry",
+    "clip_gradients",
+    "current",
+    "join",
+    "launch",
+    "load",
+    "no_backward_sync",
+    "print",
+    "rank_zero_first",
+    "resolve",
+    "save",
+    "seed_everything",
+    "setup",
+    "setup_dataloader",
+    "setup_module",
+    "setup_optimizers",
+    "sharded_init",
+    "to_device",
+]

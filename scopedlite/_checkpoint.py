@@ -1,0 +1,138 @@
+"""``lite.save`` / ``lite.load``: one file, written once and atomically, loaded safely.
+
+Rank 0 writes the file to a temporary name in the same folder, syncs it to disk and renames
+it over the target, so a crash at any moment leaves either the previous checkpoint or the
+new one, never half a file. Loading uses ``weights_only=True`` unless asked otherwise by
+name: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scopedlite._collectives import barrier
+from scopedlite._run import current
+
+__all__ = ["CheckpointError", "load", "save"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be read: truncated, not a torch checkpoint, or unsafe."""
+
+
+def _is_stateful(obj: Any) -> bool:
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def save(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Save ``state`` to ``path``: modules and optimizers as state dicts, the rest as is.
+
+    Every rank calls it; rank 0 writes; all ranks return once the file is complete.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict such as {{'model': model, 'opt': opt}}, got {type(state).__name__}.")
+    run = current()
+    strategy = run.strategy
+    converted = {}
+    for key, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            converted[key] = strategy.module_state(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            converted[key] = strategy.optimizer_state(value)
+        else:
+            converted[key] = value
+    if run.is_global_zero:
+        write_atomically(Path(path), converted)
+    barrier()
+
+
+def write_atomically(path: Path, obj: Any) -> None:
+    path = path.absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def read(path: str | os.PathLike[str], weights_only: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as e:
+        if weights_only:
+            raise CheckpointError(
+                f"{path} holds objects that weights_only=True refuses to unpickle ({e}). If "
+                "you trust this file, load it with lite.load(path, state, weights_only=False)."
+            ) from e
+        raise CheckpointError(f"{path} is not a readable torch checkpoint: {e}") from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise CheckpointError(
+            f"{path} is not a complete torch checkpoint (truncated, or not written by "
+            f"torch.save / lite.save): {e}"
+        ) from e
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: dict[str, Any] | None = None,
+    *,
+    strict: bool = True,
+    weights_only: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save`.
+
+    Modules and optimizers in ``state`` are restored in place; other entries of ``state`` are
+    replaced by the checkpoint's values.
+
+    Args:
+        path: The checkpoint file.
+        state: What to restore, e.g. ``{"model": model, "opt": opt, "step": 0}``. None
+            returns the whole checkpoint.
+        strict: Require module state dict keys to match exactly, and every key of ``state``
+            to be in the checkpoint.
+        weights_only: Refuse to unpickle anything but tensors and plain containers.
+
+    Returns:
+        What the checkpoint held that ``state`` did not ask for.
+    """
+    run = current()
+    checkpoint = read(path, weights_only)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not the dict lite.save writes.")
+    if state is None:
+        return checkpoint
+    missing = [k for k in state if k not in checkpoint]
+    if missing and strict:
+        raise KeyError(
+            f"{path} has no entry {missing}; it holds {sorted(checkpoint)}. Pass strict=False to "
+            "restore only what is there."
+        )
+    for key, target in state.items():
+        if key not in checkpoint:
+            continue
+        if isinstance(target, torch.nn.Module):
+            run.strategy.load_module_state(target, checkpoint[key], strict)
+        elif isinstance(target, torch.optim.Optimizer):
+            run.strategy.load_optimizer_state(target, checkpoint[key])
+        else:
+            state[key] = checkpoint[key]
+    return {k: v for k, v in checkpoint.items() if k not in state}

@@ -1,0 +1,179 @@
+"""torch.distributed plumbing shared by the multi-process strategies.
+
+Process-group creation, and the four collectives on plain tensors: reductions that return a
+new tensor (the input is never modified), gathers stacked on a new leading dimension, and a
+broadcast that needs nothing of the receivers (they may pass None) because the source first
+sends a small header describing what follows. Objects travel as pickled bytes rather than
+through ``broadcast_object_list``, which needs numpy on the receiving ranks in torch 2.13.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedlite._structures import map_tensors
+
+__all__ = [
+    "DTYPES",
+    "all_gather_tensor",
+    "all_reduce_tensor",
+    "barrier",
+    "broadcast_any",
+    "init_process_group",
+    "neutral_value",
+]
+
+# Codes for dtypes in headers sent between ranks. Order is part of the wire format.
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def init_process_group(
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    store: Any = None,
+    address: str | None = None,
+    port: int | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Create the default process group from a store, or from an address and port.
+
+    No environment variable is written: a launch leaves ``os.environ`` as it found it.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "A torch.distributed process group already exists in this process. scopedlite "
+            "creates and destroys its own: call torch.distributed.destroy_process_group() "
+            "before lite.launch(...), or let the launch make it."
+        )
+    if store is None:
+        store = dist.TCPStore(
+            address, port, world_size, is_master=False, timeout=timeout  # type: ignore[arg-type]
+        )
+    kwargs: dict[str, Any] = {}
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def comm_device(backend: str, device: torch.device) -> torch.device:
+    """Where tensors must live to be communicated: NCCL needs CUDA, gloo takes CPU."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def _wire_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    if dtype == torch.bool:
+        return torch.int64 if op in ("sum", "mean") else torch.uint8
+    return dtype
+
+
+def all_reduce_tensor(tensor: torch.Tensor, op: str, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks; ``mean`` divides the sum by the world size."""
+    original = tensor
+    work = tensor.detach().to(device=device, dtype=_wire_dtype(tensor.dtype, op), copy=True)
+    dist.all_reduce(work, op=_TORCH_OPS[op], group=group)
+    if op == "mean":
+        work = work / dist.get_world_size(group)
+    elif original.dtype == torch.bool and op in ("max", "min"):
+        work = work.bool()
+    return work.to(original.device)
+
+
+def all_gather_tensor(tensor: torch.Tensor, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Gather ``tensor`` from all ranks, stacked on a new leading dimension (rank order)."""
+    work = tensor.detach().to(device).contiguous()
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, work, group=group)
+    return torch.stack(parts).to(tensor.device)
+
+
+def barrier(backend: str, device: torch.device, group: Any = None) -> None:
+    if backend == "nccl":
+        dist.barrier(group=group, device_ids=[device.index or 0])
+    else:
+        dist.barrier(group=group)
+
+
+_MAX_DIMS = 8
+_HEADER = 3 + _MAX_DIMS  # kind, dtype code, ndim, shape...
+_KIND_TENSOR, _KIND_BYTES = 1, 2
+
+
+def broadcast_any(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
+    """Send ``obj`` from rank ``src`` to every rank and return it everywhere.
+
+    Tensors travel as tensors and arrive on each rank's device; anything else is pickled
+    (tensors inside it are moved to CPU first, then back to each rank's device).
+    """
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    payload: torch.Tensor | None = None
+    if dist.get_rank(group) == src:
+        if isinstance(obj, torch.Tensor) and obj.dim() <= _MAX_DIMS and obj.dtype in DTYPES:
+            payload = obj.detach().to(device).contiguous()
+            header[0], header[1], header[2] = _KIND_TENSOR, DTYPES.index(obj.dtype), obj.dim()
+            header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
+        else:
+            payload = _to_bytes(obj).to(device)
+            header[0], header[1], header[2] = _KIND_BYTES, DTYPES.index(torch.uint8), 1
+            header[3] = payload.numel()
+    dist.broadcast(header, src=src, group=group)
+    kind, dtype, ndim = (int(v) for v in header[:3].tolist())
+    shape = [int(v) for v in header[3 : 3 + ndim].tolist()]
+    if payload is None:
+        payload = torch.empty(shape, dtype=DTYPES[dtype], device=device)
+    dist.broadcast(payload, src=src, group=group)
+    if kind == _KIND_TENSOR:
+        return payload.clone() if dist.get_rank(group) == src else payload
+    return _from_bytes(payload)
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    pickle.dump(map_tensors(obj, lambda t: t.detach().cpu()), buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(payload: torch.Tensor) -> Any:
+    data = payload.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))
+
+
+def neutral_value(dtype: torch.dtype, op: str) -> float | int | bool:
+    """The value a rank contributes to a reduction it takes no part in."""
+    if op in ("sum", "mean"):
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return float("-inf") if op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max

@@ -1,0 +1,325 @@
+"""Watching worker processes so that one failure ends the whole run, fast and leaving nothing.
+
+The main process (rank 0) starts a :class:`Supervisor` thread that polls its workers every
+50 ms. When one exits badly (an exception, a signal such as SIGKILL, or gloo's SIGABRT) the
+supervisor kills the others and interrupts the main thread with a signal whose handler
+raises, so rank 0 stops even when it is busy computing outside any collective. Ctrl-C reaches
+the supervisor through ``signal.set_wakeup_fd``, so the workers are stopped even while the
+main thread is blocked inside a C call. Workers die with the main process through
+``PR_SET_PDEATHSIG`` (Linux), so killing rank 0 with SIGKILL leaves no orphan either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["RankFailure", "Supervisor", "WorkerFailedError", "set_parent_death_signal"]
+
+POLL_SECONDS = 0.05
+
+# The signal used to interrupt the main thread. A real-time signal is unlikely to be in use
+# by the program (SIGUSR1 often is: SLURM sends it before preemption).
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed: its traceback, or the signal or exit code that ended it."""
+
+    rank: int
+    exitcode: int | None
+    traceback: str | None
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return f"signal {-self.exitcode}"
+        return None
+
+    def summary(self) -> str:
+        if self.traceback:
+            last = self.traceback.strip().splitlines()[-1]
+            return f"rank {self.rank} raised {last}"
+        if self.signal_name == "SIGABRT":
+            return (
+                f"rank {self.rank} aborted (SIGABRT); torch.distributed does this on a "
+                "collective mismatch (ranks calling different collectives or shapes): see "
+                "its stderr above"
+            )
+        if self.signal_name:
+            return f"rank {self.rank} was killed by {self.signal_name}"
+        return (
+            f"rank {self.rank} exited with code {self.exitcode} without a Python traceback "
+            "(it failed before reaching launch, or called os._exit): see its stderr above"
+        )
+
+
+class WorkerFailedError(RuntimeError):
+    """One or more ranks of a launched run failed; the others were stopped.
+
+    Attributes:
+        failures: One :class:`RankFailure` per failed rank, in rank order.
+    """
+
+    def __init__(self, failures: list[RankFailure]) -> None:
+        self.failures = tuple(sorted(failures, key=lambda f: f.rank))
+        lines = ["; ".join(f.summary() for f in self.failures) + ". The other ranks were stopped."]
+        for failure in self.failures:
+            if failure.traceback:
+                lines.append(f"\n--- traceback of rank {failure.rank} ---\n{failure.traceback.rstrip()}")
+        super().__init__("\n".join(lines))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(f.rank for f in self.failures)
+
+
+class _Interrupted(BaseException):
+    """Raised in the main thread when a worker failed (BaseException: `except Exception`
+    in user code must not swallow it)."""
+
+
+class Worker(Protocol):
+    rank: int
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+class PopenWorker:
+    def __init__(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+        self.rank, self.process, self.pid = rank, process, process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+
+class ForkedWorker:
+    def __init__(self, rank: int, pid: int) -> None:
+        self.rank, self.pid = rank, pid
+        self._returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self._returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self._returncode = 0 if self._returncode is None else self._returncode
+                return self._returncode
+            if pid != 0:
+                self._returncode = os.waitstatus_to_exitcode(status)
+        return self._returncode
+
+
+def _kill(worker: Worker) -> None:
+    # Each worker leads its own process group: this also stops its children (data loaders).
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(worker.pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+class Supervisor:
+    """Polls workers, stops them all on the first failure, and reports every failed rank."""
+
+    def __init__(self, workers: list[Worker], error_dir: Path) -> None:
+        self.workers = workers
+        self.error_dir = error_dir
+        self._lock = threading.Lock()
+        self._failed = threading.Event()
+        self._killed: set[int] = set()
+        self._stop = threading.Event()
+        self._armed = False
+        self._main_ident = threading.main_thread().ident
+        self._in_main = threading.current_thread() is threading.main_thread()
+        self._previous_handler: object = None
+        self._wakeup_read = self._previous_wakeup = -1
+        self._thread = threading.Thread(target=self._watch, name="scopedlite-supervisor", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._in_main:
+            self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._on_interrupt)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            os.set_blocking(read, False)
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            if previous != -1:  # someone (asyncio, a kernel) listens already: leave theirs
+                signal.set_wakeup_fd(previous)
+                os.close(read)
+                os.close(write)
+            else:
+                self._wakeup_read, self._wakeup_write = read, write
+            self._armed = True
+        self._thread.start()
+
+    def disarm(self) -> None:
+        """Stop interrupting the main thread (called first thing when the block exits)."""
+        self._armed = False
+
+    def close(self) -> None:
+        self._armed = False
+        self._stop.set()
+        self._thread.join()
+        if self._in_main:
+            signal.signal(INTERRUPT_SIGNAL, self._previous_handler)  # type: ignore[arg-type]
+            if self._wakeup_read != -1:
+                signal.set_wakeup_fd(-1)
+                os.close(self._wakeup_read)
+                os.close(self._wakeup_write)
+
+    # -- the watching thread ---------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if self._wakeup_read != -1:
+                self._drain_signals()
+            if not self._failed.is_set() and self._first_bad_exit() is not None:
+                self._failed.set()
+                self.kill_all()
+                if self._armed:  # the handler disarms when it raises
+                    signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
+            self._stop.wait(POLL_SECONDS)
+
+    def _drain_signals(self) -> None:
+        try:
+            data = os.read(self._wakeup_read, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            return
+        if signal.SIGINT in data or signal.SIGTERM in data:
+            self.kill_all()
+
+    def _on_interrupt(self, signum: int, frame: object) -> None:
+        if self._armed:
+            self._armed = False
+            raise _Interrupted()
+
+    # -- queries and actions ---------------------------------------------------------------
+    def _first_bad_exit(self) -> Worker | None:
+        for worker in self.workers:
+            code = worker.poll()
+            if code not in (None, 0) and worker.pid not in self._killed:
+                return worker
+        return None
+
+    def kill_all(self) -> None:
+        with self._lock:
+            for worker in self.workers:
+                if worker.poll() is None:
+                    self._killed.add(worker.pid)
+                    _kill(worker)
+
+    def failures(self) -> list[RankFailure]:
+        """The ranks that failed on their own (not ones we stopped), with their tracebacks.
+
+        A rank whose only error is a broken connection to a peer failed *because* another
+        rank died; it is left out when a rank with a cause of its own is there to report.
+        """
+        found = []
+        for worker in self.workers:
+            code = worker.poll()
+            trace = self._traceback_of(worker.rank)
+            if trace is not None or (code not in (None, 0) and worker.pid not in self._killed):
+                found.append(RankFailure(worker.rank, code, trace))
+        causes = [f for f in found if not _is_consequence(f)]
+        return causes or found
+
+    def _traceback_of(self, rank: int) -> str | None:
+        path = self.error_dir / f"rank{rank}.txt"
+        try:
+            return path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def wait_for_failure(self, seconds: float) -> list[RankFailure]:
+        """Wait up to ``seconds`` for some worker to fail; return the failures seen."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self._failed.is_set() or self._first_bad_exit() is not None:
+                break
+            if all(w.poll() is not None for w in self.workers):
+                break
+            time.sleep(0.01)
+        return self.failures()
+
+    def wait_all(self, seconds: float) -> list[RankFailure]:
+        """Wait for every worker to exit after a successful block (they are finishing too)."""
+        deadline = time.monotonic() + seconds
+        while any(w.poll() is None for w in self.workers):
+            if self._failed.is_set() or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        stragglers = [w.rank for w in self.workers if w.poll() is None]
+        failures = self.failures()
+        if stragglers and not failures:
+            self.kill_all()
+            raise TimeoutError(
+                f"rank(s) {stragglers} did not finish within {seconds:.0f} s of rank 0 leaving "
+                "the launch block; they were stopped. Is a rank still waiting in a collective "
+                "the others skipped?"
+            )
+        self.kill_all()
+        return failures
+
+    def reap(self) -> None:
+        for worker in self.workers:
+            deadline = time.monotonic() + 5
+            while worker.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+_CONSEQUENCES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "DistNetworkError",
+    "Broken pipe",
+)
+
+
+def _is_consequence(failure: RankFailure) -> bool:
+    """Whether a rank failed only because a peer went away (its collective broke)."""
+    trace = failure.traceback or ""
+    return any(marker in trace for marker in _CONSEQUENCES)
+
+
+def set_parent_death_signal(expected_parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere).
+
+    Safe to call in a ``preexec_fn`` (after fork, before exec) and in a forked child. If the
+    parent already died before the request took effect, exit now.
+    """
+    libc = _libc()
+    if libc is None:
+        return
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+_LIBC: list[ctypes.CDLL | None] = []
+
+
+def _libc() -> ctypes.CDLL | None:
+    """libc with prctl, loaded once (before any fork) and cached; None off Linux."""
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl  # noqa: B018 - raises AttributeError where there is no prctl
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    return _LIBC[0]

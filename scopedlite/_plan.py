@@ -1,0 +1,412 @@
+"""Turning the arguments of ``launch`` into a frozen plan, before anything starts.
+
+:func:`resolve` is the one place where arguments meet the environment. It is pure: it reads
+the arguments, a mapping of environment variables and a :class:`Machine` description, and
+returns a :class:`Plan` or raises. Every argument is validated on its own first, then the
+combinations; nothing the user asked for is silently replaced by something else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from scopedlite._environments import World, detect_world
+from scopedlite._precision import Precision, precision_for
+from scopedlite._strategies import STRATEGIES, Strategy
+
+__all__ = ["ACCELERATORS", "LAUNCHERS", "Machine", "Plan", "resolve"]
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+LAUNCHERS = ("auto", "script", "fork")
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the resolver needs to know about this machine and this process.
+
+    Attributes:
+        cuda_device_count: Number of visible CUDA devices.
+        mps_available: Whether Apple's MPS backend is usable.
+        cpu_count: CPU cores available to this process.
+        cuda_initialized: Whether this process already created a CUDA context (fork unsafe).
+        has_script: Whether there is a command line to re-execute (False in notebooks,
+            REPLs, scripts read from stdin, and under pytest, whose command line would start
+            the test session again).
+        launched_before: Whether this process already ran a multi-process launch with the
+            script launcher: its workers have left, so a later block cannot re-execute.
+    """
+
+    cuda_device_count: int = 0
+    mps_available: bool = False
+    cpu_count: int = 1
+    cuda_initialized: bool = False
+    has_script: bool = True
+    launched_before: bool = False
+
+    @classmethod
+    def probe(cls, launched_before: bool = False) -> Machine:
+        import torch
+
+        # is_available / device_count do not create a CUDA context, so probing keeps fork safe.
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls(
+            cuda_device_count=cuda_count,
+            mps_available=bool(torch.backends.mps.is_available()),
+            cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+            cuda_initialized=bool(torch.cuda.is_initialized()),
+            has_script=_has_script(),
+            launched_before=launched_before,
+        )
+
+
+def _has_script() -> bool:
+    """Whether re-executing ``sys.orig_argv`` would run this program again."""
+    if "PYTEST_CURRENT_TEST" in os.environ:
+        return False
+    main = sys.modules.get("__main__")
+    if main is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return False
+    if "ipykernel" in sys.modules or "IPython" in sys.modules and _in_ipython():
+        return False
+    argv = getattr(sys, "orig_argv", None)
+    if not argv:
+        return False
+    if "-c" in argv or "-m" in argv:
+        return True
+    main_file = getattr(main, "__file__", None)
+    return main_file is not None and os.path.exists(main_file)
+
+
+def _in_ipython() -> bool:
+    try:
+        from IPython import get_ipython  # type: ignore[attr-defined]
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``launch`` will do, decided before it does any of it.
+
+    Attributes:
+        accelerator: ``"cpu"``, ``"cuda"`` or ``"mps"``.
+        strategy: The configured strategy (each launch works on a fresh copy of it).
+        precision: The precision setting.
+        devices: Device indices used on this node, one process each (CPU: 0..n-1).
+        num_nodes: Number of nodes.
+        world_size: Number of processes in the run.
+        launcher: ``"none"`` (one process), ``"script"`` (re-execute the command line),
+            ``"fork"``, or ``"join"`` (the world exists already: see ``world``).
+        timeout: How long collectives wait for other ranks.
+        world: The existing world joined when ``launcher == "join"``.
+    """
+
+    accelerator: str
+    strategy: Strategy = field(compare=False)
+    precision: Precision
+    devices: tuple[int, ...]
+    num_nodes: int
+    world_size: int
+    launcher: str
+    timeout: datetime.timedelta
+    world: World | None = None
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.devices)
+
+
+def _choices(values: Sequence[str]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _check_accelerator(accelerator: object) -> str:
+    if not isinstance(accelerator, str) or accelerator not in ACCELERATORS:
+        raise ValueError(
+            f"accelerator={accelerator!r} is not valid. Valid choices: {_choices(ACCELERATORS)}."
+        )
+    return accelerator
+
+
+def _check_strategy(strategy: object) -> Strategy | str:
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str):
+        if strategy == "auto" or strategy in STRATEGIES:
+            return strategy
+        raise ValueError(
+            f"strategy={strategy!r} is not a strategy scopedlite knows. Valid choices: "
+            f"{_choices(['auto', *STRATEGIES])}, or an instance such as "
+            "lite.DDPStrategy(find_unused_parameters=True)."
+        )
+    raise TypeError(
+        f"strategy must be a name or a Strategy instance, got {type(strategy).__name__} "
+        f"({strategy!r})."
+    )
+
+
+def _check_devices(devices: object) -> str | int | tuple[int, ...]:
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return "auto"
+        try:
+            if "," in text:
+                devices = [int(p) for p in text.split(",") if p.strip()]
+            else:
+                devices = int(text)
+        except ValueError:
+            raise ValueError(
+                f"devices={devices!r} is not valid: pass 'auto', a number of devices (2), "
+                "or a list of device indices ([0, 1])."
+            ) from None
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise TypeError(
+            f"devices must be 'auto', an int or a list of ints, got {type(devices).__name__} "
+            f"({devices!r})."
+        )
+    if isinstance(devices, int):
+        if devices <= 0:
+            raise ValueError(
+                f"devices={devices!r} is not valid: the number of devices must be at least 1 "
+                "(or 'auto')."
+            )
+        return devices
+    indices = tuple(devices)
+    if not indices:
+        raise ValueError("devices=[] is not valid: name at least one device index, e.g. [0].")
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(
+                f"devices={list(indices)!r} is not valid: indices must be non-negative ints, "
+                f"got {index!r}."
+            )
+    if len(set(indices)) != len(indices):
+        duplicates = sorted({i for i in indices if indices.count(i) > 1})
+        raise ValueError(
+            f"devices={list(indices)!r} is not valid: index {duplicates} appears more than "
+            "once; each device runs one process."
+        )
+    return indices
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+    if value < 1:
+        raise ValueError(f"{name}={value!r} is not valid: it must be at least 1.")
+    return value
+
+
+def _check_launcher(launcher: object) -> str:
+    if not isinstance(launcher, str) or launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r} is not valid. Valid choices: {_choices(LAUNCHERS)}.")
+    return launcher
+
+
+def _check_timeout(timeout: object) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, datetime.timedelta)):
+        raise TypeError(
+            f"timeout must be seconds (a number) or a datetime.timedelta, got "
+            f"{type(timeout).__name__} ({timeout!r})."
+        )
+    delta = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    if delta.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout!r} is not valid: it must be a positive duration.")
+    return delta
+
+
+def _pick_accelerator(requested: str, devices: str | int | tuple[int, ...], machine: Machine) -> str:
+    if requested == "cuda" or (requested == "gpu" and machine.cuda_device_count):
+        if machine.cuda_device_count == 0:
+            raise ValueError(
+                f"accelerator={requested!r} was requested but no CUDA device is visible to "
+                "torch (torch.cuda.is_available() is False). Use accelerator='cpu' or 'auto'."
+            )
+        return "cuda"
+    if requested in ("mps", "gpu"):
+        if not machine.mps_available:
+            raise ValueError(
+                f"accelerator={requested!r} was requested but neither CUDA nor MPS is available"
+                if requested == "gpu"
+                else "accelerator='mps' was requested but torch.backends.mps.is_available() "
+                "is False. Use accelerator='cpu' or 'auto'."
+            )
+        return "mps"
+    if requested == "cpu":
+        return "cpu"
+    # auto
+    if machine.cuda_device_count:
+        return "cuda"
+    if machine.mps_available and devices in ("auto", 1):
+        return "mps"
+    return "cpu"
+
+
+def _device_indices(accelerator: str, devices: str | int | tuple[int, ...], machine: Machine, world: World | None) -> tuple[int, ...]:
+    if accelerator == "cpu":
+        if isinstance(devices, tuple):
+            raise ValueError(
+                f"devices={list(devices)!r}: a list of device indices applies to CUDA; on "
+                f"accelerator='cpu' pass a number of processes, e.g. devices={len(devices)}."
+            )
+        count = (world.local_world_size if world else 1) if devices == "auto" else devices
+        return tuple(range(count))  # type: ignore[arg-type]
+    if accelerator == "mps":
+        if devices not in ("auto", 1, (0,)):
+            raise ValueError(f"devices={devices!r} is not valid on accelerator='mps': there is one MPS device.")
+        return (0,)
+    available = machine.cuda_device_count
+    if devices == "auto":
+        count = world.local_world_size if world else available
+        return tuple(range(count))
+    if isinstance(devices, int):
+        if devices > available:
+            raise ValueError(
+                f"devices={devices} but only {available} CUDA device(s) are visible. Use "
+                f"devices={available} or fewer."
+            )
+        return tuple(range(devices))
+    too_high = [i for i in devices if i >= available]  # type: ignore[union-attr]
+    if too_high:
+        raise ValueError(
+            f"devices={list(devices)!r} names CUDA index {too_high} but only {available} "  # type: ignore[arg-type]
+            f"device(s) are visible (valid indices 0..{available - 1})."
+        )
+    return devices  # type: ignore[return-value]
+
+
+def resolve(
+    *,
+    accelerator: Any = "auto",
+    strategy: Any = "auto",
+    devices: Any = "auto",
+    num_nodes: Any = None,
+    precision: Any = "32-true",
+    launcher: Any = "auto",
+    timeout: Any = None,
+    env: Mapping[str, str],
+    machine: Machine,
+) -> Plan:
+    """Validate the arguments of ``launch`` and decide what it will do."""
+    requested_accelerator = _check_accelerator(accelerator)
+    chosen_strategy = _check_strategy(strategy)
+    requested_devices = _check_devices(devices)
+    requested_nodes = None if num_nodes is None else _check_positive_int("num_nodes", num_nodes)
+    chosen_precision = precision_for(precision)
+    requested_launcher = _check_launcher(launcher)
+    chosen_timeout = _check_timeout(timeout)
+
+    world = detect_world(env)
+    accel = _pick_accelerator(requested_accelerator, requested_devices, machine)
+    reason = chosen_precision.unsupported_reason(accel)
+    if reason:
+        raise ValueError(f"precision={chosen_precision.name!r} on accelerator={accel!r}: {reason}.")
+    indices = _device_indices(accel, requested_devices, machine, world)
+
+    if world is not None:
+        nodes = requested_nodes or max(1, world.world_size // world.local_world_size)
+        if requested_launcher != "auto" and world.source != "scopedlite":
+            raise ValueError(
+                f"launcher={requested_launcher!r} cannot be used inside a {world.source} world: "
+                "the processes exist already and launch joins them. Use launcher='auto'."
+            )
+        if len(indices) != world.local_world_size or len(indices) * nodes != world.world_size:
+            raise ValueError(
+                f"launch(devices={devices!r}, num_nodes={num_nodes!r}) asks for "
+                f"{len(indices)} process(es) per node on {nodes} node(s), but the {world.source} "
+                f"world has {world.local_world_size} per node and {world.world_size} in all. "
+                "Make them agree, or pass devices='auto' and leave num_nodes unset."
+            )
+        world_size = world.world_size
+    else:
+        nodes = requested_nodes or 1
+        world_size = len(indices) * nodes
+        if nodes > 1:
+            raise ValueError(
+                f"num_nodes={nodes}: scopedlite does not start processes on other machines. "
+                "Start a multi-node run with torchrun, SLURM (srun) or mpirun, each node "
+                "running this script; launch then joins the world they create."
+            )
+
+    if chosen_strategy == "auto":
+        name = "ddp" if world_size > 1 or world is not None else "single"
+        chosen_strategy = STRATEGIES[name]()
+    elif isinstance(chosen_strategy, str):
+        chosen_strategy = STRATEGIES[chosen_strategy]()
+    if not chosen_strategy.multi_process and world_size > 1:
+        raise ValueError(
+            f"strategy={chosen_strategy.name!r} runs one process, but the run has "
+            f"{world_size} (devices={devices!r}, num_nodes={nodes}). Use strategy='ddp', or "
+            "devices=1."
+        )
+    if accel not in chosen_strategy.accelerators:
+        raise ValueError(
+            f"strategy={chosen_strategy.name!r} does not run on accelerator={accel!r}; it "
+            f"supports {_choices(chosen_strategy.accelerators)}."
+        )
+    chosen_strategy.check(accel, world_size, chosen_precision.name)
+
+    if world is not None:
+        mode = "join"
+    elif not chosen_strategy.multi_process:
+        mode = "none"
+        if requested_launcher != "auto":
+            raise ValueError(
+                f"launcher={requested_launcher!r} starts processes, but strategy="
+                f"{chosen_strategy.name!r} runs in this one. Use launcher='auto'."
+            )
+    else:
+        mode = _pick_launcher(requested_launcher, chosen_strategy, world_size, machine)
+
+    return Plan(
+        accelerator=accel,
+        strategy=chosen_strategy,
+        precision=chosen_precision,
+        devices=indices,
+        num_nodes=nodes,
+        world_size=world_size,
+        launcher=mode,
+        timeout=chosen_timeout,
+        world=world,
+    )
+
+
+def _pick_launcher(requested: str, strategy: Strategy, world_size: int, machine: Machine) -> str:
+    if requested == "auto":
+        requested = strategy.launcher or "auto"
+    if requested == "auto":
+        requested = "script" if machine.has_script and not machine.launched_before else "fork"
+    if requested == "script":
+        if not machine.has_script:
+            raise ValueError(
+                "launcher='script' re-executes the command line, but this process has none "
+                "to re-execute (a notebook, a REPL, stdin, or pytest). Use launcher='fork' "
+                "or 'auto'."
+            )
+        if machine.launched_before:
+            raise ValueError(
+                "launcher='script' cannot start a second multi-process launch block in one "
+                "script: its re-executed workers would run the first block again. Use "
+                "launcher='auto' (which forks for later blocks) or put each block in its own "
+                "script."
+            )
+    if requested == "fork":
+        if not hasattr(os, "fork"):
+            raise ValueError("launcher='fork' needs os.fork, which this platform lacks; run a script instead.")
+        if machine.cuda_initialized:
+            raise ValueError(
+                "Cannot fork worker processes: CUDA is already initialised in this process, "
+                "and a forked child cannot use it. Move the code that touches CUDA inside the "
+                "`with lite.launch(...)` block (or restart the kernel and launch first)"
+                + (", or run this as a script." if not machine.has_script else ".")
+            )
+    return requested

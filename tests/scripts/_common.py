@@ -1,0 +1,68 @@
+"""Model, data and single-process references shared by the multi-process test scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def make_data(n: int, seed: int = 1) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def params(model: torch.nn.Module) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def write(obj: Any) -> None:
+    with open(os.environ["OUT"], "w") as f:
+        json.dump(obj, f)
+
+
+def shards(n: int, world_size: int, pad: bool) -> list[list[int]]:
+    """Indices each rank reads: strided, padded by repetition when asked (as our sampler)."""
+    items = list(range(n))
+    if pad:
+        total = -(-n // world_size) * world_size
+        items = (items * (-(-total // n)))[:total]
+    return [items[r::world_size] for r in range(world_size)]
+
+
+def batches(indices: list[int], batch_size: int) -> list[list[int]]:
+    return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+
+
+def reference_training(n: int, world_size: int, batch_size: int, steps_of: Any, lr: float = 0.1, pad: bool = False) -> torch.nn.Module:
+    """One process replaying what DDP computes: per step, each active rank's mean-loss
+    gradient, summed and divided by the initial world size (joined ranks add zero)."""
+    model = make_model()
+    data = make_data(n)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    per_rank = [batches(s, batch_size) for s in shards(n, world_size, pad)]
+    for step in range(max(len(b) for b in per_rank)):
+        opt.zero_grad()
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank_batches in per_rank:
+            if step >= len(rank_batches):
+                continue
+            idx = rank_batches[step]
+            x, y = data.tensors[0][idx], data.tensors[1][idx]
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for t, p in zip(total, model.parameters()):
+                t += p.grad
+        for t, p in zip(total, model.parameters()):
+            p.grad = t / world_size
+        opt.step()
+    return model

@@ -1,0 +1,81 @@
+"""Uneven data under lite.join: training, collectives everywhere in the loop, no_grad eval.
+
+argv: strategy devices n batch_size [divide]   (divide: 1 = divide_by_initial_world_size)
+Rank 0 writes what every rank saw and computed.
+"""
+
+import sys
+
+import torch
+
+import scopedlite as lite
+from _common import make_data, make_model, params, write
+
+strategy, devices, n, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+divide = len(sys.argv) <= 5 or sys.argv[5] == "1"
+
+
+class Indexed(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.data = make_data(n)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return i, x, y
+
+
+with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
+    rank = run.global_rank
+    model = make_model()
+    model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = lite.setup_dataloader(torch.utils.data.DataLoader(Indexed(n), batch_size=batch_size))
+    record = {"rank": rank, "train": [], "seen": [], "padded_seen": [], "eval": []}
+
+    # Outside join: padded, even counts.
+    for idx, _, _ in loader:
+        record["padded_seen"] += idx.tolist()
+    record["len_outside"] = len(loader)
+
+    with lite.join(model, divide_by_initial_world_size=divide):
+        record["len_inside"] = len(loader)
+        for idx, x, y in loader:
+            active_top = lite.all_reduce(1, op="sum")  # top of the loop, before forward
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            lite.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            step = {
+                "idx": idx.tolist(),
+                "local": loss.item(),
+                "active_top": active_top,
+                "mean": lite.all_reduce(loss.detach(), op="mean").item(),
+                "sum": lite.all_reduce(loss.detach(), op="sum").item(),
+                "max_rank": lite.all_reduce(torch.tensor(rank), op="max").item(),
+                "min_rank": lite.all_reduce(rank, op="min"),
+                "gathered": lite.all_gather(torch.tensor([rank])).flatten().tolist(),
+                "from0": lite.broadcast({"hello": 0} if rank == 0 else None, src=0),
+                "nested": lite.all_reduce({"a": [1, 2.0]}, op="sum"),
+            }
+            lite.barrier()
+            record["train"].append(step)
+            record["seen"] += idx.tolist()
+
+    # Evaluation under no_grad inside join, with a running metric reduced every step.
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), lite.join(model):
+        for idx, x, y in loader:
+            err = torch.nn.functional.mse_loss(model(x), y, reduction="sum")
+            total += err.item()
+            count += len(idx)
+            running = lite.all_reduce(torch.tensor([err.item(), float(len(idx))], dtype=torch.float64), op="sum")
+            record["eval"].append({"idx": idx.tolist(), "running": running.tolist()})
+    metric = lite.all_reduce(torch.tensor([total, float(count)], dtype=torch.float64), op="sum")
+    record["metric"] = metric.tolist()
+    record["params"] = params(lite.current().strategy.unwrap(model))
+    everyone = [lite.broadcast(record, src=r) for r in range(run.world_size)]
+    if rank == 0:
+        write(everyone)
