@@ -78,17 +78,22 @@ def read(path: str | os.PathLike[str], weights_only: bool) -> Any:
     except FileNotFoundError:
         raise
     except pickle.UnpicklingError as e:
-        if weights_only:
+        if weights_only and "weights_only" in str(e):
             raise CheckpointError(
-                f"{path} holds objects that weights_only=True refuses to unpickle ({e}). If "
-                "you trust this file, load it with lite.load(path, state, weights_only=False)."
+                f"{path} holds objects that weights_only=True refuses to unpickle. If you trust "
+                "this file, load it with lite.load(path, state, weights_only=False). torch "
+                f"said: {str(e).splitlines()[0]}"
             ) from e
-        raise CheckpointError(f"{path} is not a readable torch checkpoint: {e}") from e
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CheckpointError(
-            f"{path} is not a complete torch checkpoint (truncated, or not written by "
-            f"torch.save / lite.save): {e}"
-        ) from e
+        raise CheckpointError(_incomplete(path, e)) from e
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways, all of them this
+        raise CheckpointError(_incomplete(path, e)) from e
+
+
+def _incomplete(path: str | os.PathLike[str], e: BaseException) -> str:
+    return (
+        f"{path} is not a complete torch checkpoint (truncated, or not written by torch.save / "
+        f"lite.save): {type(e).__name__}: {e}"
+    )
 
 
 def load(

@@ -72,7 +72,7 @@ class Scope(Generic[_T]):
         # Only a scope that entered successfully becomes active: a failed `_enter` leaves the
         # context untouched, so there is nothing to undo.
         self._token = self._var.set(self)
-        self._chain_token = _open.set((*_open.get(), self))
+        _open.set((*_open.get(), self))
         self._state = "open"
         return value
 
@@ -90,9 +90,11 @@ class Scope(Generic[_T]):
         try:
             suppress = self._exit(exc_type, exc, tb)
         finally:
-            if not misnested:
+            if self._var.get() is self:
                 self._var.reset(self._token)
-                _open.reset(self._chain_token)
+            # Rebuild the chain rather than resetting to the token: after a misnested exit,
+            # the scope that closed too early must not come back when its inner scope exits.
+            _open.set(tuple(s for s in _open.get() if s is not self and s._state == "open"))
         if misnested:
             inner = [s.describe() for s in chain[chain.index(self) + 1 :]] if self in chain else []
             still = ", ".join(inner) if inner else "a scope from another context"

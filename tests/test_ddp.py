@@ -24,7 +24,7 @@ def test_ddp_matches_single_process_over_the_global_batch(script, devices):
     result = script("train", "ddp", devices, n, batch)
     assert result.returncode == 0, result.explain()
     out = result.json()
-    reference = reference_training(n, devices, batch, None)
+    reference = reference_training(n, devices, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
     assert _close(out["params"], expected), (out["params"][0][:4], expected[0][:4])
     # parameters identical on every rank
@@ -36,6 +36,6 @@ def test_single_strategy_gives_the_single_process_result(script):
     n, batch = 24, 8
     result = script("train", "single", 1, n, batch)
     assert result.returncode == 0, result.explain()
-    reference = reference_training(n, 1, batch, None)
+    reference = reference_training(n, 1, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
     assert _close(result.json()["params"], expected)

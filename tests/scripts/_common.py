@@ -43,9 +43,10 @@ def batches(indices: list[int], batch_size: int) -> list[list[int]]:
     return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
 
 
-def reference_training(n: int, world_size: int, batch_size: int, steps_of: Any, lr: float = 0.1, pad: bool = False) -> torch.nn.Module:
+def reference_training(n: int, world_size: int, batch_size: int, lr: float = 0.1, pad: bool = False, divide_by_initial: bool = True) -> torch.nn.Module:
     """One process replaying what DDP computes: per step, each active rank's mean-loss
-    gradient, summed and divided by the initial world size (joined ranks add zero)."""
+    gradient, summed and divided by the initial world size (joined ranks add zero), or by
+    the number of ranks still active when ``divide_by_initial`` is False."""
     model = make_model()
     data = make_data(n)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -53,9 +54,11 @@ def reference_training(n: int, world_size: int, batch_size: int, steps_of: Any, 
     for step in range(max(len(b) for b in per_rank)):
         opt.zero_grad()
         total = [torch.zeros_like(p) for p in model.parameters()]
+        active = 0
         for rank_batches in per_rank:
             if step >= len(rank_batches):
                 continue
+            active += 1
             idx = rank_batches[step]
             x, y = data.tensors[0][idx], data.tensors[1][idx]
             model.zero_grad()
@@ -63,6 +66,6 @@ def reference_training(n: int, world_size: int, batch_size: int, steps_of: Any, 
             for t, p in zip(total, model.parameters()):
                 t += p.grad
         for t, p in zip(total, model.parameters()):
-            p.grad = t / world_size
+            p.grad = t / (world_size if divide_by_initial else active)
         opt.step()
     return model

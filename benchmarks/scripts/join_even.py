@@ -1,0 +1,37 @@
+"""Per-step cost of ``lite.join`` when it has nothing to do (every rank has the same data).
+
+argv: OUT WARMUP STEPS BLOCKS. One launch, one model; each block runs one epoch of
+WARMUP + STEPS steps without join and one inside ``with lite.join(model):``, the order
+alternating from block to block (ABBA...) so slow drift of the machine hits both alike.
+Rank 0 writes the step times of every block to OUT.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import scopedlite as lite
+from workload import BATCH, make_dataset, make_model, make_optimizer, train_timed, write_result
+
+out, warmup, steps, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
+    dataset = make_dataset((warmup + steps) * BATCH * run.world_size)
+    model = make_model()
+    model, opt = lite.setup(model, make_optimizer(model))
+    loader = lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True))
+    record: dict[str, list[list[float]]] = {"plain": [], "join": []}
+    for block in range(blocks):
+        order = ("plain", "join") if block % 2 == 0 else ("join", "plain")
+        for mode in order:
+            lite.barrier()
+            if mode == "join":
+                with lite.join(model):
+                    times = train_timed(model, opt, loader, lite.backward, warmup)
+            else:
+                times = train_timed(model, opt, loader, lite.backward, warmup)
+            record[mode].append(times)
+    if run.is_global_zero:
+        write_result(out, record)

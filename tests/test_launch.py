@@ -1,0 +1,150 @@
+"""Launching from a script, -m and -c; code after the block runs once; failures end fast."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+BODY = """
+import os, json, scopedlite as lite
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+    got = lite.all_reduce(run.global_rank + 1)
+    with open(os.environ["OUT"] + f".rank{run.global_rank}", "w") as f:
+        json.dump({"sum": got, "argv": __import__("sys").argv[1:]}, f)
+with open(os.environ["OUT"] + ".after", "a") as f:
+    f.write(f"{os.getpid()}\\n")
+"""
+
+
+def _check_ran(out_base: str, args: list[str]) -> None:
+    for rank in (0, 1):
+        with open(f"{out_base}.rank{rank}") as f:
+            data = json.load(f)
+        assert data["sum"] == 3
+        assert data["argv"][-len(args) :] == args if args else True
+    with open(f"{out_base}.after") as f:
+        assert len(f.read().split()) == 1, "code after the block ran more than once"
+
+
+def test_script_with_arguments(run_python, tmp_path):
+    path = tmp_path / "train_script.py"
+    path.write_text(BODY)
+    result = run_python(str(path), "--lr", "0.1")
+    assert result.returncode == 0, result.explain()
+    _check_ran(result._out.as_posix(), ["--lr", "0.1"])
+
+
+def test_module(run_python, tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(BODY)
+    result = run_python("-m", "mypkg.train", "x", cwd=tmp_path)
+    assert result.returncode == 0, result.explain()
+    _check_ran(result._out.as_posix(), ["x"])
+
+
+def test_command_string(run_python):
+    result = run_python("-c", BODY)
+    assert result.returncode == 0, result.explain()
+    _check_ran(result._out.as_posix(), [])
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_collectives(script, devices):
+    result = script("collectives", devices)
+    assert result.returncode == 0, result.explain()
+    assert result.stdout.count("printed once") == 1
+    ranks = list(range(devices))
+    total = sum(r + 1 for r in ranks)
+    for out in result.json():
+        assert out["sum"] == [total, -total]
+        assert out["mean"] == pytest.approx([total / devices, -total / devices])
+        assert out["max"] == [devices, -1] and out["min"] == [1, -devices]
+        assert out["int_sum"] == total and isinstance(out["int_sum"], int)
+        assert out["int_mean"] == pytest.approx(total / devices)
+        assert out["float_max"] == (devices - 1) / 2
+        assert out["bool_max"] is True
+        assert out["nested"] == {"a": [sum(ranks), float(sum(ranks))], "b": [devices, 2.5 * devices]}
+        assert out["gather"] == [[r, 10 * r] for r in ranks]
+        assert out["gather_number"] == ranks
+        assert out["broadcast_tensor"] == [0, 7, 14]
+        assert out["broadcast_obj"] == {"from": devices - 1, "list": [devices - 1] * 2}
+        assert out["world"] == [devices, devices, 0]
+        assert out["first"] in ranks
+    assert [out["input_unchanged"] for out in result.json()] == [[r + 1.0, -(r + 1.0)] for r in ranks]
+
+
+FAILURES = [
+    ("raise", 1, "ValueError: boom on rank 1"),
+    ("raise", 2, "ValueError: boom on rank 2"),
+    ("kill", 1, "killed by SIGKILL"),
+    ("abort", 2, "aborted (SIGABRT)"),
+    ("busy", 1, "ValueError: boom on rank 1"),
+    ("exit", 1, "raised SystemExit: 3"),
+]
+
+
+def _assert_no_survivors(pids):
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        assert proc.status() == psutil.STATUS_ZOMBIE, f"process {pid} survived the run"
+
+
+@pytest.mark.parametrize(("mode", "rank", "expected"), FAILURES)
+def test_worker_failure_ends_the_run(script, mode, rank, expected):
+    result = script("fail", mode, rank)
+    out = result.json()
+    assert out["error"] == "WorkerFailedError", result.explain()
+    assert expected in out["message"]
+    assert out["ranks"] == [rank]
+    assert out["latency"] < 1.5, f"took {out['latency']:.2f} s from the fault to the error"
+    if mode in ("raise", "busy"):
+        assert "--- traceback of rank" in out["message"] and "fail.py" in out["message"]
+    _assert_no_survivors(out["pids"])
+
+
+@pytest.mark.parametrize("mode", ["raise", "busy"])
+def test_rank_zero_failure_stops_the_workers(script, mode):
+    result = script("fail", mode, 0)
+    out = result.json()
+    assert out["error"] == "ValueError", result.explain()
+    assert "boom on rank 0" in out["message"]
+    assert any("raised on rank 0" in n for n in out["notes"])
+    _assert_no_survivors(out["pids"])
+
+
+def test_collective_timeout_is_an_error_not_a_hang(script):
+    result = script("fail", "timeout", 1, 2)
+    out = result.json()
+    assert out["error"] is not None, result.explain()
+    _assert_no_survivors(out["pids"])
+    assert result.seconds < 40
+
+
+def test_parent_killed_leaves_no_orphans(run_python, tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, signal, time, scopedlite as lite
+        with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
+            with open(os.environ["OUT"] + f".pid{run.global_rank}", "w") as f:
+                f.write(str(os.getpid()))
+            lite.barrier()
+            if run.global_rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(30)
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == -9
+    worker = int(open(f"{result._out}.pid1").read())
+    psutil.wait_procs([psutil.Process(worker)] if psutil.pid_exists(worker) else [], timeout=3)
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,98 @@
+"""The scope rules: contextvars, misnesting, one block per object, threads."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+import scopedlite as lite
+from scopedlite._scope import open_scopes
+
+
+def test_default_run_outside_launch():
+    run = lite.current()
+    assert (run.global_rank, run.world_size, run.is_global_zero) == (0, 1, True)
+    assert run.device.type in ("cpu", "cuda", "mps")
+    assert lite.current() is run
+
+
+def test_launch_one_process_yields_a_run_and_restores_the_default():
+    default = lite.current()
+    with lite.launch(accelerator="cpu", precision="bf16-mixed") as run:
+        assert lite.current() is run
+        assert run.precision.name == "bf16-mixed" and run.strategy.name == "single"
+        assert open_scopes()[-1].describe().startswith("lite.launch(")
+    assert lite.current() is default
+
+
+def test_exiting_out_of_order_names_the_scope_still_open():
+    stack = contextlib.ExitStack()
+    outer = lite.launch(accelerator="cpu")
+    inner = lite.autocast("bf16-mixed")
+    stack.enter_context(outer)
+    inner.__enter__()
+    with pytest.raises(lite.ScopeError, match=r"lite.launch.*exited while lite.autocast\('bf16-mixed'\) is still open"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    stack.pop_all()
+    # the chain is left as it was before the misnested pair
+    assert open_scopes() == ()
+
+
+def test_a_scope_object_is_good_for_one_block():
+    scope = lite.autocast()
+    with scope:
+        pass
+    with pytest.raises(lite.ScopeError, match="already entered once"):
+        with scope:
+            pass
+    nested = lite.rank_zero_first()
+    with nested:
+        with pytest.raises(lite.ScopeError):
+            nested.__enter__()
+
+
+def test_launch_does_not_nest():
+    with lite.launch(accelerator="cpu"):
+        with pytest.raises(lite.ScopeError, match="do not nest"):
+            with lite.launch(accelerator="cpu"):
+                pass
+
+
+def test_threads_start_without_scopes_unless_carried():
+    seen = {}
+    with lite.launch(accelerator="cpu", precision="bf16-true") as run:
+
+        def look(key):
+            seen[key] = lite.current()
+
+        plain = threading.Thread(target=look, args=("plain",))
+        carried = threading.Thread(target=lite.carry(look), args=("carried",))
+        plain.start(), carried.start()
+        plain.join(), carried.join()
+        assert seen["carried"] is run
+        assert seen["plain"] is not run and seen["plain"].precision.name == "32-true"
+
+
+def test_autocast_nests_innermost_wins():
+    with lite.launch(accelerator="cpu", precision="bf16-mixed"):
+        a = torch.ones(2, 2)
+        with lite.autocast() as precision:
+            assert precision.name == "bf16-mixed"
+            assert (a @ a).dtype == torch.bfloat16
+            with lite.autocast("32-true"):
+                assert (a @ a).dtype == torch.float32
+            assert (a @ a).dtype == torch.bfloat16
+        assert (a @ a).dtype == torch.float32
+    with pytest.raises(ValueError, match="precision='fp4'"):
+        lite.autocast("fp4")
+
+
+def test_exceptions_pass_through_scopes_untouched():
+    with pytest.raises(KeyError, match="mine"):
+        with lite.launch(accelerator="cpu"), lite.autocast(), lite.rank_zero_first():
+            raise KeyError("mine")
+    assert open_scopes() == ()

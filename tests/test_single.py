@@ -1,0 +1,201 @@
+"""Everything a one-process run does, with real tensors and files."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
+
+import scopedlite as lite
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_collectives_return_their_input_without_torch_distributed():
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0, 2.0])
+    assert lite.all_reduce(t, op="mean") is t
+    assert lite.all_reduce({"a": 3}) == {"a": 3}
+    assert lite.all_gather(t).shape == (1, 2)
+    assert lite.all_gather(5).tolist() == [5]
+    assert lite.broadcast("x") == "x"
+    lite.barrier()
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="op='avg'"):
+        lite.all_reduce(t, op="avg")
+    with pytest.raises(ValueError, match="src=1"):
+        lite.broadcast(t, src=1)
+
+
+def test_setup_returns_model_and_optimizers():
+    model = _model()
+    opt1 = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt2 = torch.optim.Adam(model.parameters())
+    assert lite.setup(model) is model
+    m, o1, o2 = lite.setup(model, opt1, opt2)
+    assert m is model and o1 is opt1 and o2 is opt2
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        lite.setup("model")
+
+
+def test_training_step_matches_plain_torch():
+    model, reference = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, opt = lite.setup(model, opt)
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    for _ in range(3):
+        lite.backward(torch.nn.functional.cross_entropy(model(x), y))
+        norm = lite.clip_gradients(model, opt, max_norm=0.5)
+        opt.step(), opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step(), ref_opt.zero_grad()
+        assert torch.allclose(norm, ref_norm)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="exactly one of max_norm or clip_val"):
+        lite.clip_gradients(model, opt)
+    with pytest.raises(ValueError, match="max_norm=-1"):
+        lite.clip_gradients(model, opt, max_norm=-1)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64), ("16-true", torch.float16)])
+def test_true_precisions_convert_module_and_inputs(precision, dtype):
+    with lite.launch(accelerator="cpu", precision=precision):
+        model = lite.setup(torch.nn.Linear(3, 1))
+        assert model.weight.dtype == dtype
+        out = model(torch.randn(2, 3))  # float32 input is cast by the module's hook
+        assert out.dtype == dtype
+        with lite.sharded_init():
+            built = torch.nn.Linear(3, 1)
+        assert built.weight.dtype == dtype
+
+
+def test_sharded_init_empty_skips_initialisation():
+    with lite.launch(accelerator="cpu"):
+        torch.manual_seed(0)
+        with lite.sharded_init(empty=True):
+            layer = torch.nn.Linear(64, 64)
+        torch.manual_seed(0)
+        normal = torch.nn.Linear(64, 64)
+    assert not torch.equal(layer.weight, normal.weight)
+
+
+def test_no_backward_sync_is_a_no_op_on_one_device():
+    model = lite.setup(_model())
+    with lite.no_backward_sync(model):
+        lite.backward(model(torch.randn(2, 4)).sum())
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_save_load_round_trip_and_remaining_state(tmp_path):
+    model, opt = lite.setup(_model(), torch.optim.Adam(_model().parameters()))
+    opt = torch.optim.Adam(model.parameters())
+    lite.backward(model(torch.randn(3, 4)).sum())
+    opt.step()
+    path = tmp_path / "ckpt.pt"
+    lite.save(path, {"model": model, "opt": opt, "step": 7, "extra": [1, 2]})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+
+    fresh = _model()
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    state = {"model": fresh, "opt": fresh_opt, "step": 0}
+    rest = lite.load(path, state)
+    assert rest == {"extra": [1, 2]} and state["step"] == 7
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert lite.load(path)["step"] == 7
+    with pytest.raises(KeyError, match="missing"):
+        lite.load(path, {"missing": 1})
+
+
+class Custom:
+    """A class torch's weights_only unpickler refuses."""
+
+
+def test_load_rejects_truncated_foreign_and_unsafe_files(tmp_path):
+    good = tmp_path / "good.pt"
+    lite.save(good, {"w": torch.ones(100)})
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(lite.CheckpointError, match="not a complete torch checkpoint"):
+        lite.load(truncated)
+    foreign = tmp_path / "foreign.pt"
+    foreign.write_text("hello, not a checkpoint")
+    with pytest.raises(lite.CheckpointError):
+        lite.load(foreign)
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"obj": Custom()}, unsafe)
+    with pytest.raises(lite.CheckpointError, match="weights_only=False"):
+        lite.load(unsafe)
+    assert isinstance(lite.load(unsafe, weights_only=False)["obj"], Custom)
+
+
+def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    lite.save(path, {"version": 1, "w": torch.zeros(10)})
+    code = (
+        "import os, signal, torch, scopedlite as lite\n"
+        "class Bomb:\n"
+        "    def __reduce__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"lite.save({str(path)!r}, {{'version': 2, 'w': torch.ones(10), 'bomb': Bomb()}})\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == -9
+    assert lite.load(path)["version"] == 1
+
+
+def test_seed_everything_and_validation():
+    assert lite.seed_everything(5) == 5
+    a = torch.rand(3)
+    lite.seed_everything(5)
+    assert torch.equal(a, torch.rand(3))
+    with pytest.raises(ValueError, match="seed=-1"):
+        lite.seed_everything(-1)
+    lite.seed_everything(0)
+
+
+def test_setup_dataloader_moves_batches_and_keeps_the_loader_on_one_process():
+    data = TensorDataset(torch.arange(10.0).unsqueeze(1))
+    loader = lite.setup_dataloader(DataLoader(data, batch_size=4))
+    assert len(loader) == 3 and loader.batch_size == 4
+    assert [b[0].flatten().tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    a, b = lite.setup_dataloader(DataLoader(data), DataLoader(data))
+    assert len(a) == len(b) == 10
+    with pytest.raises(TypeError, match="at least one"):
+        lite.setup_dataloader()
+
+
+def test_print_only_on_rank_zero(capsys):
+    lite.print("hello", 1)
+    assert capsys.readouterr().out == "hello 1\n"
+
+
+def test_to_device():
+    out = lite.to_device({"a": [torch.ones(1)], "b": 2})
+    assert out["a"][0].device.type == lite.current().device.type and out["b"] == 2
+
+
+def test_join_is_a_no_op_on_one_device():
+    model = lite.setup(_model())
+    with lite.join(model):
+        assert lite.all_reduce(2.0, op="mean") == 2.0
+    with pytest.raises(TypeError, match="divide_by_initial_world_size"):
+        lite.join(model, divide_by_initial_world_size="yes")
+    with lite.join():
+        with pytest.raises(lite.ScopeError, match="do not nest"):
+            with lite.join():
+                pass
