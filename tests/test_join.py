@@ -87,3 +87,25 @@ def test_join_uneven(script, strategy, world, n, batch, divide):
         count = sum(len(per_rank_batches[r][step]) for r in active)
         for r in active:
             assert ranks[r]["eval"][step]["running"][1] == count
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("zero", "ZeroRedundancyOptimizer"),
+        ("static_graph", "static_graph=True"),
+    ],
+)
+def test_join_refuses_what_torch_join_cannot_survive(script, case, expected):
+    result = script("join_refusals", case)
+    assert result.returncode == 0, result.explain()
+    for rank, out in enumerate(result.json()):
+        assert out[str(rank)].startswith("ValueError") and expected in out[str(rank)]
+
+
+def test_broadcast_from_a_rank_that_left_join_is_an_error_not_a_hang(script):
+    result = script("join_refusals", "broadcast_from_joined")
+    assert result.returncode == 1, result.explain()
+    assert "RuntimeError: lite.broadcast(src=1) inside lite.join: rank 1 has already run out of data" in result.stderr
+    assert "raised on rank 0 of 2" in result.stderr
+    assert result.seconds < 20

@@ -148,3 +148,78 @@ def test_parent_killed_leaves_no_orphans(run_python, tmp_path):
     worker = int(open(f"{result._out}.pid1").read())
     psutil.wait_procs([psutil.Process(worker)] if psutil.pid_exists(worker) else [], timeout=3)
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+TWO_BLOCKS = """
+import os, json, scopedlite as lite
+out = os.environ["OUT"]
+for block in ("first", "second"):
+    with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+        total = lite.all_reduce(run.global_rank + 1)
+        with open(f"{out}.{block}.rank{run.global_rank}", "w") as f:
+            json.dump({"sum": total, "pid": os.getpid()}, f)
+    with open(f"{out}.after", "a") as f:
+        f.write(block + "\\n")
+"""
+
+
+def test_later_blocks_fork_and_code_after_each_block_runs_once(run_python, tmp_path):
+    path = tmp_path / "two_blocks.py"
+    path.write_text(TWO_BLOCKS)
+    result = run_python(str(path))
+    assert result.returncode == 0, result.explain()
+    base = result._out.as_posix()
+    pids = {}
+    for block in ("first", "second"):
+        for rank in (0, 1):
+            data = json.load(open(f"{base}.{block}.rank{rank}"))
+            assert data["sum"] == 3
+            pids[block, rank] = data["pid"]
+    assert open(f"{base}.after").read().split() == ["first", "second"]
+    assert pids["first", 0] == pids["second", 0]  # rank 0 is the main process both times
+    assert pids["first", 1] != pids["second", 1]  # a new worker (forked) for the second
+
+
+def test_fork_launcher_reports_a_failing_worker(run_python):
+    code = textwrap.dedent(
+        """
+        import scopedlite as lite
+        try:
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", launcher="fork") as run:
+                lite.barrier()
+                if run.global_rank == 1:
+                    raise KeyError("forked worker failed")
+                lite.barrier()
+        except lite.WorkerFailedError as e:
+            print("CAUGHT", e.ranks, "KeyError" in str(e))
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.explain()
+    assert "CAUGHT (1,) True" in result.stdout
+
+
+def test_torchrun_world_is_joined_not_spawned(run_python, tmp_path):
+    path = tmp_path / "under_torchrun.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import os, json, scopedlite as lite
+            with lite.launch(accelerator="cpu", timeout=60) as run:
+                total = lite.all_reduce(run.global_rank + 1)
+                info = {"sum": total, "world": run.world_size, "strategy": run.strategy.name,
+                        "ppid": os.getppid(), "children": len(__import__("psutil").Process().children())}
+            with open(os.environ["OUT"] + f".rank{run.global_rank}", "w") as f:
+                json.dump(info, f)
+            """
+        )
+    )
+    result = run_python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path), timeout=120
+    )
+    assert result.returncode == 0, result.explain()
+    infos = [json.load(open(f"{result._out}.rank{r}")) for r in (0, 1)]
+    for info in infos:
+        assert info["sum"] == 3 and info["world"] == 2 and info["strategy"] == "ddp"
+        assert info["children"] == 0  # launch spawned nothing
+    assert infos[0]["ppid"] == infos[1]["ppid"]  # both are torchrun's children

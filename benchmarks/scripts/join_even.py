@@ -1,8 +1,9 @@
 """Per-step cost of ``lite.join`` when it has nothing to do (every rank has the same data).
 
 argv: OUT WARMUP STEPS BLOCKS. One launch, one model; each block runs one epoch of
-WARMUP + STEPS steps without join and one inside ``with lite.join(model):``, the order
-alternating from block to block (ABBA...) so slow drift of the machine hits both alike.
+WARMUP + STEPS steps without join, one inside ``with lite.join(model):`` and one inside
+torch's own ``Join([model])`` (to tell torch's per-step cost of join mode apart from ours),
+the order rotating from block to block so slow drift of the machine hits all alike.
 Rank 0 writes the step times of every block to OUT.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.distributed.algorithms.join import Join
 
 import scopedlite as lite
 from workload import BATCH, make_dataset, make_model, make_optimizer, train_timed, write_result
@@ -22,13 +24,16 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
     model = make_model()
     model, opt = lite.setup(model, make_optimizer(model))
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True))
-    record: dict[str, list[list[float]]] = {"plain": [], "join": []}
+    modes = ("plain", "join", "torch_join")
+    record: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     for block in range(blocks):
-        order = ("plain", "join") if block % 2 == 0 else ("join", "plain")
-        for mode in order:
+        for mode in modes[block % 3 :] + modes[: block % 3]:
             lite.barrier()
             if mode == "join":
                 with lite.join(model):
+                    times = train_timed(model, opt, loader, lite.backward, warmup)
+            elif mode == "torch_join":
+                with Join([model]):
                     times = train_timed(model, opt, loader, lite.backward, warmup)
             else:
                 times = train_timed(model, opt, loader, lite.backward, warmup)

@@ -2,22 +2,27 @@
 
 argv: OUT SAMPLES BATCH EPOCHS DEVICES. With 1000 samples on 3 ranks and batch 1, join gives
 rank 0 334 batches and ranks 1-2 333 each; outside join the sampler pads every rank to 334
-(1002 samples, two of them twice). Epochs alternate padded/join (ABBA...). An epoch is timed
-on rank 0 between two barriers, so it lasts until the slowest rank is done. Rank 0 writes the
-epoch times and, per mode, which samples every rank saw, to OUT.
+(1002 samples, two of them twice). A third mode runs torch's own
+``torch.distributed.algorithms.join.Join([model])`` over the same strided shards, to tell
+torch's per-step join cost apart from scopedlite's. Modes rotate from epoch to epoch. An
+epoch is timed on rank 0 between two barriers (join entry and exit included), so it lasts
+until the slowest rank is done. Rank 0 writes epoch times and the samples each rank saw.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Iterable
 
 import torch
+from torch.distributed.algorithms.join import Join
 
 import scopedlite as lite
 from workload import make_dataset, make_model, make_optimizer, write_result
 
 out, samples, batch, epochs, devices = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+MODES = ("padded", "join", "torch_join")
 
 
 class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -34,33 +39,40 @@ class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return i, x, y
 
 
-def epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: object) -> tuple[float, list[int]]:
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Iterable[tuple[torch.Tensor, ...]]) -> list[int]:
     seen: list[int] = []
-    lite.barrier()
-    start = time.perf_counter()
-    for idx, x, y in loader:  # type: ignore[attr-defined]
+    for idx, x, y in loader:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         lite.backward(loss)
         opt.step()
         opt.zero_grad()
         seen += idx.tolist()
-    return start, seen
+    return seen
 
 
 with lite.launch(strategy="ddp", devices=devices, accelerator="cpu") as run:
+    dataset = Indexed(samples)
     model = make_model()
     model, opt = lite.setup(model, make_optimizer(model))
-    loader = lite.setup_dataloader(torch.utils.data.DataLoader(Indexed(samples), batch_size=batch))
-    record: dict[str, list[float]] = {"padded": [], "join": []}
+    loader = lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=batch))
+    # What lite.join's sampler gives this rank (r, r + w, ...), as a plain torch loader.
+    shard = torch.utils.data.Subset(dataset, range(run.global_rank, samples, run.world_size))
+    torch_loader = torch.utils.data.DataLoader(shard, batch_size=batch)
+
+    record: dict[str, list[float]] = {mode: [] for mode in MODES}
     seen_by_mode: dict[str, list[list[int]]] = {}
     for e in range(epochs):
-        order = ("padded", "join") if e % 2 == 0 else ("join", "padded")
-        for mode in order:
+        for mode in MODES[e % 3 :] + MODES[: e % 3]:
+            lite.barrier()
+            start = time.perf_counter()
             if mode == "join":
                 with lite.join(model):
-                    start, seen = epoch(model, opt, loader)
+                    seen = train(model, opt, loader)
+            elif mode == "torch_join":
+                with Join([model]):
+                    seen = train(model, opt, torch_loader)
             else:
-                start, seen = epoch(model, opt, loader)
+                seen = train(model, opt, loader)
             lite.barrier()
             record[mode].append(time.perf_counter() - start)
             if mode not in seen_by_mode:

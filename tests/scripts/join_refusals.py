@@ -1,0 +1,35 @@
+"""lite.join refuses what torch's Join cannot survive; broadcast from a joined rank raises.
+
+argv: case   (zero | static_graph | broadcast_from_joined)
+"""
+
+import sys
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import scopedlite as lite
+from _common import make_model, write
+
+case = sys.argv[1]
+result = {}
+with lite.launch(strategy=lite.DDPStrategy(static_graph=case == "static_graph"), devices=2, accelerator="cpu", timeout=30) as run:
+    model = make_model()
+    if case == "zero":
+        model = lite.setup(model)
+        opt = lite.setup_optimizers(ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
+    else:
+        model = lite.setup(model)
+    try:
+        with lite.join(model):
+            if case == "broadcast_from_joined":
+                for step in range(3 if run.global_rank == 0 else 1):
+                    lite.broadcast("hi" if run.global_rank == 1 else None, src=1)
+        result[run.global_rank] = "no error"
+    except (ValueError, RuntimeError) as e:
+        if case == "broadcast_from_joined":
+            raise  # the run must end with this error, not hang
+        result[run.global_rank] = f"{type(e).__name__}: {e}"
+    everyone = [lite.broadcast(result, src=r) for r in range(run.world_size)]
+    if run.is_global_zero:
+        write(everyone)
