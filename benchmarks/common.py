@@ -52,6 +52,7 @@ class Measurement:
     goal_fraction: float | None = None  # value / budget, for absolute goals (plotted)
     goal_ratio: float | None = None  # the ratio the goal asks for (plotted as a marker)
     note: str = ""
+    verdict: str = ""  # overrides the plain yes/no in the table, e.g. when noise spans the goal
     raw: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -152,6 +153,23 @@ def free_port() -> int:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0 < q < 1), linear between order statistics."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def noise_verdict(met: bool, ratios: Sequence[float], goal: float) -> str:
+    """"yes"/"no", qualified when the repeats disagree about which side of the goal we are."""
+    plain = "yes" if met else "**no**"
+    if ratios and min(ratios) <= goal < max(ratios):
+        return f"{plain} (inconclusive: repeats {min(ratios):.3f}-{max(ratios):.3f} span the goal)"
+    return plain
 
 
 def spread(values: Sequence[float]) -> float:

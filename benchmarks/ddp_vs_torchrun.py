@@ -24,6 +24,8 @@ from common import (
     free_port,
     log,
     median,
+    noise_verdict,
+    quantile,
     read_json,
     run_child,
     safe_ratio,
@@ -50,6 +52,7 @@ class Variant:
     script: str
     torchrun: bool = False
     step_medians: list[float] = field(default_factory=list)
+    step_p10s: list[float] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -71,6 +74,7 @@ class Variant:
         steps = read_json(out)["step_s"]
         out.unlink()
         self.step_medians.append(median(steps))
+        self.step_p10s.append(quantile(steps, 0.1))
         self.walls.append(result.wall_s)
         log(f"  {self.name}: step {median(steps) * 1e3:.2f} ms, wall {result.wall_s:.2f} s")
 
@@ -99,6 +103,9 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
     wall_pairs = _pair_ratios(lite.walls, other.walls)
     step_ratio, wall_ratio = safe_ratio(step_l, step_o), safe_ratio(wall_l, wall_o)
     assert step_ratio is not None and wall_ratio is not None
+    # The fastest decile of steps is what a step costs when no other process takes the CPU:
+    # a second estimate of the ratio that is far less sensitive to a busy machine.
+    p10_ratio = median(lite.step_p10s) / median(other.step_p10s)
     return [
         Measurement(
             key=f"ddp_step_vs_{key}",
@@ -110,11 +117,22 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
             goal=f"ratio <= {STEP_GOAL}",
             goal_ratio=STEP_GOAL,
             met=step_ratio <= STEP_GOAL,
+            verdict=noise_verdict(step_ratio <= STEP_GOAL, step_pairs, STEP_GOAL),
             method=STEP_METHOD,
             value_label=f"{step_l * 1e3:.2f} ms",
             baseline_label=f"{step_o * 1e3:.2f} ms ({label})",
-            note=f"per-pair ratios {min(step_pairs):.3f}-{max(step_pairs):.3f} over {len(step_pairs)} pairs (noise band)",
-            raw={"scopedlite_step_medians_s": lite.step_medians, f"{key}_step_medians_s": other.step_medians},
+            note=(
+                f"per-pair ratios {', '.join(f'{r:.3f}' for r in step_pairs)}; fastest-decile step "
+                f"{median(lite.step_p10s) * 1e3:.2f} vs {median(other.step_p10s) * 1e3:.2f} ms, ratio {p10_ratio:.3f} "
+                "(less sensitive to other load on the machine)"
+            ),
+            raw={
+                "scopedlite_step_medians_s": lite.step_medians,
+                f"{key}_step_medians_s": other.step_medians,
+                "scopedlite_step_p10_s": lite.step_p10s,
+                f"{key}_step_p10_s": other.step_p10s,
+                "p10_ratio": p10_ratio,
+            },
         ),
         Measurement(
             key=f"ddp_wall_vs_{key}",
@@ -126,10 +144,11 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
             goal=f"ratio <= {WALL_GOAL}",
             goal_ratio=WALL_GOAL,
             met=wall_ratio <= WALL_GOAL,
+            verdict=noise_verdict(wall_ratio <= WALL_GOAL, wall_pairs, WALL_GOAL),
             method=WALL_METHOD,
             value_label=f"{wall_l:.2f} s",
             baseline_label=f"{wall_o:.2f} s ({label})",
-            note=f"per-pair ratios {min(wall_pairs):.3f}-{max(wall_pairs):.3f} over {len(wall_pairs)} pairs (noise band)",
+            note=f"per-pair ratios {', '.join(f'{r:.3f}' for r in wall_pairs)}",
             raw={"scopedlite_walls_s": lite.walls, f"{key}_walls_s": other.walls},
         ),
     ]

@@ -39,3 +39,27 @@ def test_single_strategy_gives_the_single_process_result(script):
     reference = reference_training(n, 1, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
     assert _close(result.json()["params"], expected)
+
+
+def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
+    result = script("ddp_features", tmp_path / "ckpt.pt")
+    assert result.returncode == 0, result.explain()
+    out = result.json()
+
+    # one process: the mean-loss gradient over all 16 rows, one SGD step
+    from _common import make_data, make_model
+
+    model = make_model()
+    x, y = make_data(16).tensors
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    expected = [p.detach().flatten().tolist() for p in model.parameters()]
+    assert _close(out["params"], expected)
+    assert out["norm"] == pytest.approx(norm.item(), rel=1e-5)
+    assert out["dtype"] == "torch.bfloat16"
+    assert out["restored"] and out["restored_all"] == 1 and out["rest"] == {"step": 1}
+    first, second = out["stamps"]
+    assert second["enter"] >= first["leave"] - 0.05  # rank 1 entered after rank 0 left

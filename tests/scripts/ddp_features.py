@@ -1,0 +1,61 @@
+"""DDP: accumulation with no_backward_sync, clipping, save/load, rank_zero_first, bf16-mixed.
+
+Rank 0 writes the results; the test compares them with one process.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+import scopedlite as lite
+from _common import make_data, make_model, params, write
+
+ckpt = sys.argv[1]
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-mixed", timeout=60) as run:
+    model = make_model()
+    model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = make_data(16)
+    x, y = data.tensors
+    # rank r takes rows r::2; two micro-batches of 4 per rank, one optimizer step
+    mine_x, mine_y = x[run.global_rank :: 2], y[run.global_rank :: 2]
+    for micro in range(2):
+        sl = slice(4 * micro, 4 * micro + 4)
+        with lite.no_backward_sync(model, enabled=micro == 0):
+            loss = torch.nn.functional.mse_loss(model(mine_x[sl]), mine_y[sl]) / 2
+            lite.backward(loss)
+    norm = lite.clip_gradients(model, opt, max_norm=1e9)
+    opt.step()
+    opt.zero_grad()
+    after_step = params(lite.current().strategy.unwrap(model))
+
+    with lite.autocast():
+        dtype = str(model(x).dtype)
+
+    lite.save(ckpt, {"model": model, "opt": opt, "step": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    rest = lite.load(ckpt, {"model": model, "opt": opt})
+    restored = params(lite.current().strategy.unwrap(model)) == after_step
+
+    order = lite.all_gather(torch.tensor(0.0))  # placeholder so both ranks reach here
+    stamps = {}
+    with lite.rank_zero_first() as first:
+        stamps["enter"] = time.time()
+        if first:
+            time.sleep(0.5)
+        stamps["leave"] = time.time()
+    everyone = [lite.broadcast(stamps, src=r) for r in range(run.world_size)]
+    result = {
+        "params": after_step,
+        "norm": float(norm),
+        "dtype": dtype,
+        "restored": restored,
+        "rest": rest,
+        "stamps": everyone,
+        "restored_all": lite.all_reduce(int(restored), op="min"),
+    }
+    if run.is_global_zero:
+        write(result)

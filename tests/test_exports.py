@@ -1,0 +1,35 @@
+"""The public API: every exported name resolves, and importing the package stays lazy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import scopedlite
+
+
+def test_every_public_name_resolves_to_its_private_module():
+    assert sorted(scopedlite.__all__) == sorted(scopedlite._EXPORTS)
+    for name, module in scopedlite._EXPORTS.items():
+        value = getattr(scopedlite, name)
+        assert value.__module__.startswith(module), (name, value.__module__, module)
+        assert all(part.startswith("_") for part in value.__module__.split(".")[1:]), name
+
+
+def test_spec_names_exist():
+    spec = (
+        "launch sharded_init join autocast no_backward_sync rank_zero_first setup setup_module "
+        "setup_optimizers setup_dataloader backward clip_gradients to_device all_reduce all_gather "
+        "broadcast barrier print seed_everything save load current DDPStrategy Run"
+    ).split()
+    missing = [n for n in spec if not hasattr(scopedlite, n)]
+    assert not missing
+    run = scopedlite.current()
+    for attr in ("global_rank", "local_rank", "node_rank", "world_size", "device", "is_global_zero"):
+        assert hasattr(run, attr)
+
+
+def test_import_is_lazy():
+    code = "import sys, scopedlite; print(sorted(m for m in sys.modules if m.startswith('scopedlite')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['scopedlite']"
