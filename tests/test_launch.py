@@ -223,3 +223,37 @@ def test_torchrun_world_is_joined_not_spawned(run_python, tmp_path):
         assert info["sum"] == 3 and info["world"] == 2 and info["strategy"] == "ddp"
         assert info["children"] == 0  # launch spawned nothing
     assert infos[0]["ppid"] == infos[1]["ppid"]  # both are torchrun's children
+
+
+def test_ctrl_c_in_the_main_process_stops_every_worker(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import _env
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    code = textwrap.dedent(
+        f"""
+        import os, time, torch, scopedlite as lite
+        with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
+            open(os.path.join({str(marks)!r}, f"pid{{run.global_rank}}"), "w").write(str(os.getpid()))
+            lite.barrier()
+            if run.global_rank == 0:
+                lite.all_reduce(torch.ones(1))  # blocks: rank 1 never joins this collective
+            time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(marks.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0 is now blocked inside the all-reduce
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=15)
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in stderr or "WorkerFailedError" in stderr, stderr
+    _assert_no_survivors([int(p.read_text()) for p in marks.glob("pid*")])

@@ -1,0 +1,47 @@
+"""CUDA paths (NCCL, 16-mixed with loss scaling). Skipped where no GPU is visible."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
+    pytest.mark.timeout(180),
+]
+
+
+def test_16_mixed_scales_the_loss_and_trains():
+    import scopedlite as lite
+
+    with lite.launch(accelerator="cuda", devices=1, precision="16-mixed"):
+        model = torch.nn.Linear(8, 1)
+        model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = torch.randn(32, 8, device="cuda"), torch.randn(32, 1, device="cuda")
+        losses = []
+        for _ in range(20):
+            with lite.autocast():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            lite.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+        assert lite.current().strategy.scaling.scaler is not None
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_ddp_nccl_all_reduce(run_python):
+    code = textwrap.dedent(
+        """
+        import torch, scopedlite as lite
+        with lite.launch(accelerator="cuda", devices=2, strategy="ddp") as run:
+            assert run.device == torch.device("cuda", run.local_rank)
+            assert lite.all_reduce(torch.ones(1, device=run.device)).item() == 2
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.explain()
