@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "launch": "scopedlite._launch",
     "RankFailure": "scopedlite._launchers._supervise",
     "WorkerFailedError": "scopedlite._launchers._supervise",
+    "Machine": "scopedlite._plan",
     "Plan": "scopedlite._plan",
     "resolve": "scopedlite._plan",
     "print": "scopedlite._rank_zero",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from scopedlite._launch import launch as launch
     from scopedlite._launchers._supervise import RankFailure as RankFailure
     from scopedlite._launchers._supervise import WorkerFailedError as WorkerFailedError
+    from scopedlite._plan import Machine as Machine
     from scopedlite._plan import Plan as Plan
     from scopedlite._plan import resolve as resolve
     from scopedlite._rank_zero import print as print
@@ -104,6 +106,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CheckpointError",
     "DDPStrategy",
+    "Machine",
     "Plan",
     "RankFailure",
     "Run",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,10 @@ def save(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
 def write_atomically(path: Path, obj: Any) -> None:
     path = path.absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # Not mkstemp: its 0600 mode would stick to the checkpoint; open(..., "xb") honours umask.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())

@@ -15,7 +15,7 @@ import torch
 from scopedlite._join import active_session
 from scopedlite._run import Run, current
 from scopedlite._strategies._base import REDUCE_OPS
-from scopedlite._structures import map_leaves
+from scopedlite._structures import map_leaves, map_tensors
 
 __all__ = ["all_gather", "all_reduce", "barrier", "broadcast"]
 
@@ -54,7 +54,8 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
 
     Returns:
         The same structure with every leaf reduced. The input is not modified. Numbers come
-        back as numbers (a mean of ints as a float).
+        back as numbers; on several processes a mean of ints comes back as a float. On one
+        process the input itself is returned, as every collective does there.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r} is not a reduction scopedlite knows. Valid choices: {', '.join(map(repr, REDUCE_OPS))}.")
@@ -97,7 +98,8 @@ def broadcast(obj: Any, src: int = 0) -> Any:
         raise ValueError(f"src={src!r} is not a rank of this run: valid ranks are 0..{run.world_size - 1}.")
     if run.world_size == 1:
         return obj
-    return _target(run).broadcast(obj, src)
+    result = _target(run).broadcast(obj, src)
+    return map_tensors(result, lambda t: t.to(run.device))
 
 
 def barrier() -> None:

@@ -68,16 +68,29 @@ def init_process_group(
             "creates and destroys its own: call torch.distributed.destroy_process_group() "
             "before lite.launch(...), or let the launch make it."
         )
+    kwargs: dict[str, Any] = {}
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
+    if store is None and address is None:
+        # A world made by torchrun & co.: let torch read its environment (agent store etc.).
+        dist.init_process_group(
+            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        )
+        return
     if store is None:
         store = dist.TCPStore(
             address, port, world_size, is_master=False, timeout=timeout  # type: ignore[arg-type]
         )
-    kwargs: dict[str, Any] = {}
-    if device is not None and device.type == "cuda":
-        kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
+        # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
+        # died before joining can be noticed, instead of inside torch's blocking rendezvous.
+        store.set(ready_key(rank), "1")
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
     )
+
+
+def ready_key(rank: int) -> str:
+    return f"scopedlite/ready/{rank}"
 
 
 def destroy_process_group() -> None:

@@ -20,6 +20,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from types import TracebackType
@@ -44,9 +45,9 @@ from scopedlite._strategies._base import Rendezvous
 
 __all__ = ["launch"]
 
-# Whether this process already ran a multi-process block with the script launcher. Its
-# re-executed workers have left, so a later block must fork. (Process state by nature: it
-# describes this interpreter's command line, not a scope.)
+# Whether this process already started a multi-process block (script or fork). A worker
+# re-executing the script would run that block again, so a later block must fork. (Process
+# state by nature: it describes this interpreter's history, not a scope.)
 _script_launched = [False]
 
 
@@ -87,6 +88,13 @@ class _Launch(Scope[Run]):
             machine=Machine.probe(launched_before=_script_launched[0]),
         )
         self.plan = plan
+        if ENV.TOKEN in os.environ and ENV.TOKEN not in env and plan.world_size > 1:
+            raise RuntimeError(
+                f"This worker was started by the launch at {os.environ.get(ENV.SITE)} but "
+                f"reached {self.describe()} first, a multi-process block the main process did "
+                "not start workers for. Every multi-process launch block must come after the "
+                "first one in the script, or live in its own script."
+            )
         if plan.launcher == "none":
             return self._start_here(plan, World("local", 0, 0, 0, 1, 1, "127.0.0.1", 0), None)
         if plan.launcher == "join":
@@ -152,6 +160,7 @@ class _Launch(Scope[Run]):
                 store = self._create_store(plan)
                 forked.send_port(store.port)
                 workers: list[Any] = forked.workers
+                _script_launched[0] = True
             else:
                 store = self._create_store(plan)
                 workers = start_script_workers(
@@ -160,11 +169,33 @@ class _Launch(Scope[Run]):
                 _script_launched[0] = True
             self._supervisor = Supervisor(workers, self._error_dir)
             self._supervisor.start()
+            self._wait_for_workers(store, n, plan.timeout.total_seconds())
             world = World("scopedlite", 0, 0, 0, n, n, "127.0.0.1", store.port)
             return self._start_here(plan, world, Rendezvous(world, store))
+        except _Interrupted:
+            failures = self._supervisor.failures() if self._supervisor else []
+            self._cleanup_parent()
+            raise WorkerFailedError(failures) from None
         except BaseException:
             self._cleanup_parent()
             raise
+
+    def _wait_for_workers(self, store: Any, n: int, seconds: float) -> None:
+        """Wait, in Python, until every worker reached the store (or one failed)."""
+        from scopedlite._distributed import ready_key
+
+        assert self._supervisor is not None
+        keys = [ready_key(rank) for rank in range(1, n)]
+        deadline = time.monotonic() + seconds
+        while not store.check(keys):
+            failures = self._supervisor.failures()
+            if failures:
+                raise WorkerFailedError(failures)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"The workers did not reach lite.launch within {seconds:.0f} s (timeout=)."
+                )
+            time.sleep(0.01)
 
     def _create_store(self, plan: Plan) -> Any:
         import torch.distributed as dist

@@ -37,8 +37,8 @@ class Machine:
         has_script: Whether there is a command line to re-execute (False in notebooks,
             REPLs, scripts read from stdin, and under pytest, whose command line would start
             the test session again).
-        launched_before: Whether this process already ran a multi-process launch with the
-            script launcher: its workers have left, so a later block cannot re-execute.
+        launched_before: Whether this process already ran a multi-process launch block:
+            re-executed workers would run that block again, so a later block must fork.
     """
 
     cuda_device_count: int = 0
@@ -333,8 +333,9 @@ def resolve(
         if nodes > 1:
             raise ValueError(
                 f"num_nodes={nodes}: scopedlite does not start processes on other machines. "
-                "Start a multi-node run with torchrun, SLURM (srun) or mpirun, each node "
-                "running this script; launch then joins the world they create."
+                "Start a multi-node run with torchrun on each node (torchrun --nnodes N "
+                "--node-rank R --rdzv-endpoint HOST:PORT script.py); launch then joins the "
+                "world it creates."
             )
 
     if chosen_strategy == "auto":
@@ -403,6 +404,13 @@ def _pick_launcher(requested: str, strategy: Strategy, world_size: int, machine:
         if not hasattr(os, "fork"):
             raise ValueError("launcher='fork' needs os.fork, which this platform lacks; run a script instead.")
         if machine.cuda_initialized:
+            if machine.launched_before:
+                raise ValueError(
+                    "Cannot start this launch block: an earlier multi-process block of this "
+                    "script used CUDA, so forking is unsafe, and re-executing the script would "
+                    "run the earlier block again. Put each multi-GPU launch block in its own "
+                    "script."
+                )
             raise ValueError(
                 "Cannot fork worker processes: CUDA is already initialised in this process, "
                 "and a forked child cannot use it. Move the code that touches CUDA inside the "

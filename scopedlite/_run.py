@@ -92,7 +92,9 @@ def _default_run(pid: int) -> Run:
     from scopedlite._strategies._single import SingleDeviceStrategy
 
     if torch.cuda.is_available():
-        accelerator, device = "cuda", torch.device("cuda", torch.cuda.current_device())
+        # current_device() would create a CUDA context, and a later fork launch would be refused
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        accelerator, device = "cuda", torch.device("cuda", index)
     elif torch.backends.mps.is_available():
         accelerator, device = "mps", torch.device("mps")
     else:

@@ -257,3 +257,41 @@ def test_ctrl_c_in_the_main_process_stops_every_worker(tmp_path):
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in stderr or "WorkerFailedError" in stderr, stderr
     _assert_no_survivors([int(p.read_text()) for p in marks.glob("pid*")])
+
+
+def test_worker_failing_before_it_reaches_launch_is_reported_fast(run_python):
+    code = textwrap.dedent(
+        """
+        import os, sys, time, scopedlite as lite
+        if os.environ.get("SCOPEDLITE_LAUNCH_TOKEN"):
+            sys.exit(5)  # only the re-executed worker fails, before reaching launch
+        start = time.time()
+        try:
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu"):
+                pass
+        except lite.WorkerFailedError as e:
+            print("CAUGHT", e.ranks, "code 5" in str(e), round(time.time() - start, 1))
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.explain()
+    line = next(l for l in result.stdout.splitlines() if l.startswith("CAUGHT"))
+    assert line.startswith("CAUGHT (1,) True")
+    assert float(line.split()[-1]) < 15
+
+
+def test_a_forked_block_then_an_auto_block_forks_again(run_python):
+    code = textwrap.dedent(
+        """
+        import os, scopedlite as lite
+        for launcher in ("fork", "auto"):
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", launcher=launcher) as run:
+                total = lite.all_reduce(1)
+            print("block", launcher, total, os.getpid())
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.explain()
+    lines = [l for l in result.stdout.splitlines() if l.startswith("block")]
+    assert [l.split()[:3] for l in lines] == [["block", "fork", "2"], ["block", "auto", "2"]]
+    assert len({l.split()[3] for l in lines}) == 1  # both printed by the main process only

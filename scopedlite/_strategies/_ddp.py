@@ -102,8 +102,9 @@ class DDPStrategy(Strategy):
         self._backend = self.backend(run.accelerator)
         self._comm_device = _distributed.comm_device(self._backend, run.device)
         self.scaling = GradientScaling.for_run(run)
-        self.modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # In setup order (the same on every rank): join's hooks must run in one order.
+        self._modules: list[weakref.ref[DistributedDataParallel]] = []
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         world = rendezvous.world
         if run.accelerator == "cuda":
             torch.cuda.set_device(run.device)
@@ -113,7 +114,7 @@ class DDPStrategy(Strategy):
             world_size=world.world_size,
             timeout=run.timeout,
             store=rendezvous.store,
-            address=world.main_address,
+            address=world.main_address if world.source == "scopedlite" else None,
             port=world.main_port,
             device=run.device,
         )
@@ -131,11 +132,11 @@ class DDPStrategy(Strategy):
         module = self.run.precision.convert_module(module.to(self.run.device))
         device_ids = [self.run.device.index] if self.run.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
-        self.modules.add(ddp)
+        self._modules.append(weakref.ref(ddp))
         return ddp
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self.optimizers.add(optimizer)
+        self._optimizers.append(weakref.ref(optimizer))
         return self.scaling.wrap_optimizer(optimizer)
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -160,11 +161,9 @@ class DDPStrategy(Strategy):
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
         from scopedlite._join_session import ProcessGroupJoin
 
-        if not joinables:
-            joinables = tuple(self.modules)
-        return ProcessGroupJoin(
-            self, joinables, tuple(self.optimizers), divide_by_initial_world_size
-        )
+        modules = tuple(m for m in (ref() for ref in self._modules) if m is not None)
+        optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
+        return ProcessGroupJoin(self, joinables or modules, optimizers, divide_by_initial_world_size)
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
