@@ -53,6 +53,7 @@ class Variant:
     torchrun: bool = False
     step_medians: list[float] = field(default_factory=list)
     step_p10s: list[float] = field(default_factory=list)
+    step_cpu_medians: list[float] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -71,8 +72,10 @@ class Variant:
             self.errors.append(result.describe())
             log(f"  {self.name}: FAILED ({result.describe().splitlines()[0]})")
             return
-        steps = read_json(out)["step_s"]
+        data = read_json(out)
         out.unlink()
+        steps = data["step_s"]
+        self.step_cpu_medians.append(median(data["step_cpu_s"]))
         self.step_medians.append(median(steps))
         self.step_p10s.append(quantile(steps, 0.1))
         self.walls.append(result.wall_s)
@@ -106,6 +109,7 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
     # The fastest decile of steps is what a step costs when no other process takes the CPU:
     # a second estimate of the ratio that is far less sensitive to a busy machine.
     p10_ratio = median(lite.step_p10s) / median(other.step_p10s)
+    cpu_l, cpu_o = median(lite.step_cpu_medians), median(other.step_cpu_medians)
     return [
         Measurement(
             key=f"ddp_step_vs_{key}",
@@ -124,7 +128,8 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
             note=(
                 f"per-pair ratios {', '.join(f'{r:.3f}' for r in step_pairs)}; fastest-decile step "
                 f"{median(lite.step_p10s) * 1e3:.2f} vs {median(other.step_p10s) * 1e3:.2f} ms, ratio {p10_ratio:.3f} "
-                "(less sensitive to other load on the machine)"
+                f"(less sensitive to other load); rank-0 CPU time per step {cpu_l * 1e3:.2f} vs "
+                f"{cpu_o * 1e3:.2f} ms, ratio {cpu_l / cpu_o:.3f}"
             ),
             raw={
                 "scopedlite_step_medians_s": lite.step_medians,
@@ -132,6 +137,8 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
                 "scopedlite_step_p10_s": lite.step_p10s,
                 f"{key}_step_p10_s": other.step_p10s,
                 "p10_ratio": p10_ratio,
+                "scopedlite_step_cpu_medians_s": lite.step_cpu_medians,
+                f"{key}_step_cpu_medians_s": other.step_cpu_medians,
             },
         ),
         Measurement(

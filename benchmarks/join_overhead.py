@@ -91,7 +91,7 @@ def _coverage(seen: list[list[int]]) -> str:
 
 
 def _uneven(quick: bool) -> list[Measurement]:
-    epochs = 1 if quick else 3
+    epochs = 1 if quick else 2
     title = f"Join on uneven shards ({UNEVEN_SAMPLES} samples, {UNEVEN_RANKS} ranks, batch {UNEVEN_BATCH}): epoch time"
     out = temp_path()
     command = [PYTHON, str(SCRIPTS_DIR / "join_uneven.py"), str(out), str(UNEVEN_SAMPLES), str(UNEVEN_BATCH), str(epochs), str(UNEVEN_RANKS)]

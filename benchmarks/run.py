@@ -1,7 +1,7 @@
 """Run every scopedlite benchmark side by side and write results.md, results.json, results.png.
 
-    python benchmarks/run.py            # full run (~3-4 min on 2 cores)
-    python benchmarks/run.py --quick    # fewer repeats (~2 min)
+    python benchmarks/run.py            # full run (~3.5 min on 2 shared cores)
+    python benchmarks/run.py --quick    # fewer repeats (~2.5 min)
     python benchmarks/run.py --only import_time crash_latency
 
 Measurements run one after another, never two multi-process runs at once, so they do not
@@ -113,7 +113,8 @@ def write_plot(path: Path, rows: list[Measurement]) -> str:
     left.set_title("ratio scopedlite / baseline (lower is better)")
     _bars(right, budgets, [r.goal_fraction for r in budgets], [1.0] * len(budgets))  # type: ignore[misc]
     right.set_title("fraction of the goal's budget (<= 1 meets it)")
-    fig.tight_layout()
+    fig.text(0.01, 0.01, "dashed: goal. green: met, red: not met, orange: repeats span the goal, blue: info only", fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"wrote {path}"
@@ -121,7 +122,7 @@ def write_plot(path: Path, rows: list[Measurement]) -> str:
 
 def _bars(ax: object, rows: list[Measurement], heights: list[float], goals: list[float | None]) -> None:
     labels = [_short(r) for r in rows]
-    colours = ["tab:green" if r.met else "tab:red" if r.met is False else "tab:blue" for r in rows]
+    colours = [_colour(r) for r in rows]
     xs = list(range(len(rows)))
     ax.bar(xs, heights, color=colours)  # type: ignore[attr-defined]
     for x, h, goal in zip(xs, heights, goals):
@@ -131,6 +132,14 @@ def _bars(ax: object, rows: list[Measurement], heights: list[float], goals: list
     ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)  # type: ignore[attr-defined]
 
 
+def _colour(row: Measurement) -> str:
+    """green: goal met; red: not met; orange: the repeats fall on both sides of the goal;
+    blue: no goal (reported for information)."""
+    if "inconclusive" in row.verdict:
+        return "tab:orange"
+    return "tab:green" if row.met else "tab:red" if row.met is False else "tab:blue"
+
+
 def _short(row: Measurement) -> str:
     return {
         "ddp_step_vs_torchrun": "DDP step\nvs torchrun",
@@ -138,7 +147,8 @@ def _short(row: Measurement) -> str:
         "ddp_step_vs_fabric": "DDP step\nvs Fabric",
         "ddp_wall_vs_fabric": "DDP wall\nvs Fabric",
         "import_cached": "import\n(.pyc cached)",
-        "import_uncached": "import\n(no .pyc)",
+        "import_api_cached": "import + API\n(.pyc cached)",
+        "import_api_uncached": "import + API\n(no .pyc)",
         "crash_raise": "crash: raise",
         "crash_sigkill": "crash: SIGKILL",
         "crash_busy": "crash: raise,\nrank 0 busy",

@@ -31,12 +31,12 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
             lite.barrier()
             if mode == "join":
                 with lite.join(model):
-                    times = train_timed(model, opt, loader, lite.backward, warmup)
+                    times, _ = train_timed(model, opt, loader, lite.backward, warmup)
             elif mode == "torch_join":
                 with Join([model]):
-                    times = train_timed(model, opt, loader, lite.backward, warmup)
+                    times, _ = train_timed(model, opt, loader, lite.backward, warmup)
             else:
-                times = train_timed(model, opt, loader, lite.backward, warmup)
+                times, _ = train_timed(model, opt, loader, lite.backward, warmup)
             record[mode].append(times)
     if run.is_global_zero:
         write_result(out, record)
