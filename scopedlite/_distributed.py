@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scopedlite._environments import World
 from scopedlite._structures import map_tensors
 
 __all__ = [
@@ -49,16 +50,18 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.R
 
 def init_process_group(
     backend: str,
+    world: World,
     *,
-    rank: int,
-    world_size: int,
     timeout: datetime.timedelta,
     store: Any = None,
-    address: str | None = None,
-    port: int | None = None,
     device: torch.device | None = None,
 ) -> None:
-    """Create the default process group from a store, or from an address and port.
+    """Create the default process group of ``world``.
+
+    - ``store`` given: rank 0 of a world our launcher started, which hosts the store.
+    - a torchelastic world: torch reads torchrun's environment (``env://``, agent store).
+    - a worker of ours: a client of rank 0's store, announcing itself with a key.
+    - any other world (SLURM, MPI, ...): rank 0 hosts a store at the world's main address.
 
     No environment variable is written: a launch leaves ``os.environ`` as it found it.
     """
@@ -71,22 +74,18 @@ def init_process_group(
     kwargs: dict[str, Any] = {}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
-    if store is None and address is None:
-        # A world made by torchrun & co.: let torch read its environment (agent store etc.).
-        dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, **kwargs
-        )
+    rank, size = world.global_rank, world.world_size
+    if store is None and world.source == "torchelastic":
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kwargs)
         return
     if store is None:
-        store = dist.TCPStore(
-            address, port, world_size, is_master=False, timeout=timeout  # type: ignore[arg-type]
-        )
-        # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
-        # died before joining can be noticed, instead of inside torch's blocking rendezvous.
-        store.set(ready_key(rank), "1")
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
-    )
+        is_host = world.source != "scopedlite" and rank == 0
+        store = dist.TCPStore(world.main_address, world.main_port, size, is_master=is_host, timeout=timeout)
+        if world.source == "scopedlite":
+            # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
+            # died before joining can be noticed, instead of inside torch's blocking rendezvous.
+            store.set(ready_key(rank), "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
 
 
 def ready_key(rank: int) -> str:

@@ -109,14 +109,7 @@ class DDPStrategy(Strategy):
         if run.accelerator == "cuda":
             torch.cuda.set_device(run.device)
         _distributed.init_process_group(
-            self._backend,
-            rank=world.global_rank,
-            world_size=world.world_size,
-            timeout=run.timeout,
-            store=rendezvous.store,
-            address=world.main_address if world.source == "scopedlite" else None,
-            port=world.main_port,
-            device=run.device,
+            self._backend, world, timeout=run.timeout, store=rendezvous.store, device=run.device
         )
 
     def stop(self) -> None:
