@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "autocast": "scopedlite._autocast",
     "CheckpointError": "scopedlite._checkpoint",
+    "CollectiveMismatchError": "scopedlite._debug",
     "load": "scopedlite._checkpoint",
     "save": "scopedlite._checkpoint",
     "all_gather": "scopedlite._collectives",
@@ -54,6 +55,7 @@ _EXPORTS: dict[str, str] = {
 if TYPE_CHECKING:
     from scopedlite._autocast import autocast as autocast
     from scopedlite._checkpoint import CheckpointError as CheckpointError
+    from scopedlite._debug import CollectiveMismatchError as CollectiveMismatchError
     from scopedlite._checkpoint import load as load
     from scopedlite._checkpoint import save as save
     from scopedlite._collectives import all_gather as all_gather
@@ -105,6 +107,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CheckpointError",
+    "CollectiveMismatchError",
     "DDPStrategy",
     "Machine",
     "Plan",

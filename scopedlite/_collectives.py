@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from scopedlite._debug import check_same_collective, debug_enabled, describe
 from scopedlite._join import active_session
 from scopedlite._run import Run, current
 from scopedlite._strategies._base import REDUCE_OPS
@@ -45,6 +46,16 @@ def _back(result: torch.Tensor, original: Any) -> Any:
     return result.item()
 
 
+def _check(run: Run, target: Any, what: str) -> None:
+    if debug_enabled():
+        check_same_collective(target, run.global_rank, _debug_device(run), what)
+
+
+def _debug_device(run: Run) -> torch.device:
+    device = getattr(run.strategy, "_comm_device", None)
+    return device if device is not None else run.device
+
+
 def all_reduce(data: Any, op: str = "sum") -> Any:
     """Reduce ``data`` over all ranks and return the result on every rank.
 
@@ -68,6 +79,7 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
         tensor = _as_tensor(leaf, run.device)
         if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
             tensor = tensor.to(torch.float64 if not isinstance(leaf, torch.Tensor) else torch.get_default_dtype())
+        _check(run, target, describe("all_reduce", tensor, op=op))
         return _back(target.all_reduce(tensor, op), leaf)
 
     return map_leaves(data, reduce, _is_leaf)
@@ -84,7 +96,13 @@ def all_gather(data: Any) -> Any:
     if run.world_size == 1:
         return map_leaves(data, lambda leaf: _as_tensor(leaf, run.device).unsqueeze(0), _is_leaf)
     target = _target(run)
-    return map_leaves(data, lambda leaf: target.all_gather(_as_tensor(leaf, run.device)), _is_leaf)
+
+    def gather(leaf: Any) -> Any:
+        tensor = _as_tensor(leaf, run.device)
+        _check(run, target, describe("all_gather", tensor))
+        return target.all_gather(tensor)
+
+    return map_leaves(data, gather, _is_leaf)
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:
@@ -98,7 +116,9 @@ def broadcast(obj: Any, src: int = 0) -> Any:
         raise ValueError(f"src={src!r} is not a rank of this run: valid ranks are 0..{run.world_size - 1}.")
     if run.world_size == 1:
         return obj
-    result = _target(run).broadcast(obj, src)
+    target = _target(run)
+    _check(run, target, describe("broadcast", src=src))
+    result = target.broadcast(obj, src)
     return map_tensors(result, lambda t: t.to(run.device))
 
 
@@ -107,4 +127,6 @@ def barrier() -> None:
     run = current()
     if run.world_size == 1:
         return
-    _target(run).barrier()
+    target = _target(run)
+    _check(run, target, describe("barrier"))
+    target.barrier()

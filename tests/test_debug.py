@@ -1,0 +1,30 @@
+"""SCOPEDLITE_DEBUG=1: mismatched collectives raise on every rank, naming each rank's call."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize(
+    ("case", "rank0", "rank1"),
+    [
+        ("shape", "all_reduce(op='sum', shape=(2,)", "all_reduce(op='sum', shape=(3,)"),
+        ("op", "all_reduce(op='sum'", "all_reduce(op='max'"),
+        ("kind", "all_reduce(op='sum'", "broadcast(src=0)"),
+        ("join", "all_gather(shape=(1,)", "all_gather(shape=(2,)"),
+    ],
+)
+def test_mismatch_is_reported_on_every_rank(script, case, rank0, rank1):
+    result = script("desync", case, env={"SCOPEDLITE_DEBUG": "1"})
+    assert result.returncode == 0, result.explain()
+    for message in result.json():
+        assert f"rank 0: {rank0}" in message and f"rank 1: {rank1}" in message
+        assert "desync.py:" in message  # the user's call site, not ours
+
+
+def test_matching_collectives_pass_in_debug_mode(script):
+    result = script("desync", "same", env={"SCOPEDLITE_DEBUG": "1"})
+    assert result.returncode == 0, result.explain()
+    assert result.json() == ["no error", "no error"]
