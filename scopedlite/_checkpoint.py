@@ -39,6 +39,10 @@ def save(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         raise TypeError(f"state must be a dict such as {{'model': model, 'opt': opt}}, got {type(state).__name__}.")
     run = current()
     strategy = run.strategy
+    hook = getattr(strategy, "save_checkpoint", None)
+    if hook is not None:  # a strategy with its own (sharded) checkpoint format
+        hook(path, state)
+        return
     converted = {}
     for key, value in state.items():
         if isinstance(value, torch.nn.Module):
@@ -74,6 +78,14 @@ def write_atomically(path: Path, obj: Any) -> None:
 
 
 def read(path: str | os.PathLike[str], weights_only: bool) -> Any:
+    if Path(path).is_dir():
+        raise CheckpointError(
+            f"{path} is a folder: a sharded checkpoint written under strategy='fsdp' or "
+            "'deepspeed'. Restore it under the strategy that wrote it with "
+            "lite.load(path, {'model': model, ...}), or make one file of it first: "
+            f"lite.consolidate_checkpoint({str(path)!r}, 'ckpt.pt') (FSDP) or "
+            f"lite.consolidate_deepspeed_checkpoint({str(path)!r}) (DeepSpeed)."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except FileNotFoundError:
@@ -121,6 +133,15 @@ def load(
         What the checkpoint held that ``state`` did not ask for.
     """
     run = current()
+    hook = getattr(run.strategy, "load_checkpoint", None)
+    if hook is not None and state is not None:  # a strategy with its own checkpoint format
+        if not weights_only:
+            raise ValueError(
+                f"lite.load(weights_only=False) is not available under strategy="
+                f"{run.strategy.name!r}: the strategy reads its own sharded checkpoint format "
+                "and does not take this option. Drop the argument."
+            )
+        return hook(path, state, strict)  # type: ignore[no-any-return]
     checkpoint = read(path, weights_only)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not the dict lite.save writes.")

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from scopedlite._run import current
+from scopedlite._strategies._base import SupportsJointSetup
 from scopedlite._structures import map_tensors
 
 __all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
@@ -18,9 +19,13 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"setup_module takes a torch.nn.Module, got {type(module).__name__}.")
     run = current()
-    prepared = run.strategy.setup_module(module)
-    if run.precision.param_dtype is not None:
-        precision = run.precision
+    return _cast_inputs(run.strategy.setup_module(module))
+
+
+def _cast_inputs(prepared: torch.nn.Module) -> torch.nn.Module:
+    """Cast the inputs of a set-up model to the parameter dtype ("-true" precisions)."""
+    precision = current().precision
+    if precision.param_dtype is not None:
 
         def cast_inputs(_: Any, args: Any, kwargs: Any) -> Any:
             return precision.convert_input(args), precision.convert_input(kwargs)
@@ -47,6 +52,16 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
 
     Returns the model alone when no optimizer is given, else ``(model, opt1, ...)``.
     """
+    strategy = current().strategy
+    if optimizers and isinstance(strategy, SupportsJointSetup):
+        # Backends that build one object from model and optimizer (a DeepSpeed engine).
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"setup takes a torch.nn.Module, got {type(module).__name__}.")
+        for optimizer in optimizers:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"setup takes torch optimizers, got {type(optimizer).__name__}.")
+        engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
+        return (_cast_inputs(engine), *prepared_opts)
     prepared = setup_module(module)
     if not optimizers:
         return prepared

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from scopedlite._environments import World
     from scopedlite._run import Run
 
-__all__ = ["ReduceOp", "Strategy", "SupportsJoin", "SupportsNoBackwardSync", "REDUCE_OPS"]
+__all__ = [
+    "ReduceOp",
+    "Strategy",
+    "SupportsJoin",
+    "SupportsJointSetup",
+    "SupportsNoBackwardSync",
+    "REDUCE_OPS",
+]
 
 ReduceOp = str
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -156,4 +163,14 @@ class SupportsNoBackwardSync(Protocol):
 class SupportsJoin(Protocol):
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
         """Return a join session (see scopedlite._join) for uneven inputs."""
+        ...
+
+
+@runtime_checkable
+class SupportsJointSetup(Protocol):
+    def setup_module_and_optimizers(
+        self, module: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """Set up a model together with its optimizers, for backends that build one object
+        from both (a DeepSpeed engine). ``lite.setup(model, opt)`` prefers this when present."""
         ...

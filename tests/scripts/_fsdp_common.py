@@ -1,0 +1,90 @@
+"""Model, data and the training recipe shared by the FSDP scripts and their single-process
+references (the test process replays the same recipe on one process)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+IN, HIDDEN = 16, 64
+STEPS = 3  # plain steps, then one accumulation step with clipping
+BATCH = 8  # global batch: rank r takes rows r::2
+CLIP = 0.05
+
+
+def make_net() -> torch.nn.Module:
+    """Built from the current RNG state: the seed is set by the caller."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.LayerNorm(HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
+    )
+
+
+def make_data(n: int = BATCH * (STEPS + 2), seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    y = x[:, :4].sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    rows: Callable[[slice], tuple[torch.Tensor, torch.Tensor]],
+    backward: Callable[[torch.Tensor], None],
+    no_sync: Callable[[bool], Any],
+    clip: Callable[[], torch.Tensor],
+) -> float:
+    """STEPS plain steps, then one step of two accumulated micro-batches, clipped by norm.
+
+    ``rows(slice)`` returns this process's share of the global rows in the slice. Returns the
+    gradient norm before clipping of the last step.
+    """
+    for step in range(STEPS):
+        x, y = rows(slice(BATCH * step, BATCH * (step + 1)))
+        backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    start = BATCH * STEPS
+    for micro in range(2):
+        x, y = rows(slice(start + BATCH * micro, start + BATCH * (micro + 1)))
+        with no_sync(micro == 0):
+            backward(torch.nn.functional.mse_loss(model(x), y) / 2)
+    norm = clip()
+    opt.step()
+    opt.zero_grad()
+    return float(norm)
+
+
+def reference(kind: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, float]:
+    """One process, whole global batches: what 2 data-parallel ranks must compute."""
+    import contextlib
+
+    torch.manual_seed(seed)
+    model = make_net()
+    opt = make_optimizer(kind, model.parameters())
+    x, y = make_data()
+    norm = train(
+        model,
+        opt,
+        lambda s: (x[s], y[s]),
+        lambda loss: loss.backward(),
+        lambda _: contextlib.nullcontext(),
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP),
+    )
+    return model, opt, norm
+
+
+def probe() -> torch.Tensor:
+    return torch.linspace(-1, 1, 3 * IN).reshape(3, IN)

@@ -1,0 +1,185 @@
+"""FSDP (FSDP2, fully_shard) on 2 real gloo ranks: the DDP user's lines, sharded.
+
+The scripts train with ``model, opt = lite.setup(model, Opt(model.parameters()))`` after
+``lite.sharded_init()``; the test replays the same recipe in this process on one device (or
+compares with a DDP run) and checks values that would differ if sharding, re-pointing the
+optimizer, the replayed initialisation, clipping or checkpoints were wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import scopedlite as lite
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from _fsdp_common import make_data, make_net, make_optimizer, probe, reference  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _flat(model: torch.nn.Module) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def _run(script, *args) -> dict:
+    result = script("fsdp_train", *args, timeout=100)
+    assert result.returncode == 0, result.explain()
+    return result.json()
+
+
+@pytest.mark.timeout(100)
+def test_sharded_init_equals_a_plain_build_halves_storage_and_trains_like_one_process(script, tmp_path):
+    out = _run(script, "fsdp", "sgd", 1, tmp_path / "ckpt")
+
+    # built on the meta device, then every shard filled with a plain same-seed build's values
+    assert out["meta_after_init"] is True
+    torch.manual_seed(0)
+    plain = make_net()
+    assert out["initial"] == _flat(plain)  # exactly, not approximately
+    assert out["rng_after_setup"] == torch.rand(1).item()  # generator moved on as after a plain build
+
+    # each rank holds about half of the parameters
+    total = sum(p.numel() for p in plain.parameters())
+    assert out["total_numel"] == total
+    assert sum(out["local_numel"]) == total
+    for numel, nbytes in zip(out["local_numel"], out["local_bytes"]):
+        assert 0.45 * total <= numel <= 0.55 * total
+        assert nbytes <= 0.55 * total * 4
+    # the optimizer built from meta parameters now updates the shards, same hyper-parameters
+    assert out["opt_points_at_model"] and out["opt_lr"] == 0.1
+
+    # SGD steps, accumulation with no_backward_sync, global-norm clipping: as one process
+    model, _, norm = reference("sgd")
+    assert _max_diff(out["params"], _flat(model)) < 1e-5
+    assert out["params_rank1"] == out["params"]
+    assert out["norm"] == pytest.approx(norm, rel=1e-5)
+    assert norm > 0.05  # clipping really happened
+
+    # a module whose values cannot be recreated after a meta build is refused, with the way out
+    assert "Bare owns parameters or buffers but has no reset_parameters()" in out["bare_error"]
+    assert "sharded_init(empty=True)" in out["bare_error"]
+
+    # join refused with the strategies that support it
+    assert "not available under strategy='fsdp'" in out["join_error"] and "'ddp'" in out["join_error"]
+
+    # sharded save -> train on -> load restores the outputs exactly
+    assert out["probe_after_step"] != out["probe_at_save"]
+    assert out["probe_after_load"] == out["probe_at_save"]
+    assert out["probe_after_step_again"] == out["probe_after_step"]
+    assert out["step"] == 4 and out["rest"] == {}
+    assert (tmp_path / "ckpt").is_dir()
+
+
+@pytest.mark.timeout(120)
+def test_adamw_matches_ddp_and_a_sharded_checkpoint_reloads_on_one_process(script, tmp_path):
+    folder = tmp_path / "sharded"
+    fsdp = _run(script, "fsdp", "adamw", 1, folder)
+    ddp = _run(script, "ddp", "adamw", 0, tmp_path / "ddp.pt")
+    assert _max_diff(fsdp["params"], ddp["params"]) < 1e-5
+    assert fsdp["norm"] == pytest.approx(ddp["norm"], rel=1e-5)
+    model, _, _ = reference("adamw")
+    assert _max_diff(fsdp["params"], _flat(model)) < 1e-5
+    # AdamW moments restored: the step after loading repeats the step after saving
+    assert fsdp["probe_after_step_again"] == fsdp["probe_after_step"]
+
+    # 2 ranks -> 1 process: consolidate the folder, load it with the plain lite.load
+    single = tmp_path / "single.pt"
+    lite.consolidate_checkpoint(folder, single)
+    torch.manual_seed(123)
+    model = make_net()
+    opt = make_optimizer("adamw", model.parameters())
+    state = {"model": model, "opt": opt, "step": 0}
+    assert lite.load(single, state) == {}
+    assert state["step"] == 4
+    with torch.no_grad():
+        assert model(probe()).flatten().tolist() == pytest.approx(fsdp["probe_at_save"], abs=1e-6)
+    x, y = make_data()
+    loss = torch.nn.functional.mse_loss(model(x[-8:]), y[-8:])
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        assert model(probe()).flatten().tolist() == pytest.approx(fsdp["probe_after_step"], abs=1e-5)
+
+    # the folder itself cannot be read by a non-sharding strategy: the error says what to do
+    with pytest.raises(lite.CheckpointError, match="consolidate_checkpoint"):
+        lite.load(folder, {"model": model})
+
+
+@pytest.mark.timeout(100)
+def test_full_state_dict_with_wrapping_policy_and_activation_checkpointing(script, tmp_path):
+    # every Linear its own FSDP unit, activations recomputed, no resharding after forward
+    out = _run(script, "fsdp_full_wrapped", "adamw", 1, tmp_path / "full.pt")
+    torch.manual_seed(0)
+    assert out["initial"] == _flat(make_net())  # nested units replay the same values
+    reference_model, _, norm = reference("adamw")
+    assert _max_diff(out["params"], _flat(reference_model)) < 1e-5
+    assert out["norm"] == pytest.approx(norm, rel=1e-5)
+
+    assert out["probe_after_load"] == out["probe_at_save"]
+    assert out["probe_after_step_again"] == out["probe_after_step"]
+    # the full file is the ordinary single-file checkpoint: it loads on one process as is
+    model = make_net()
+    opt = make_optimizer("adamw", model.parameters())
+    assert lite.load(tmp_path / "full.pt", {"model": model, "opt": opt}) == {"step": 4}
+    with torch.no_grad():
+        assert model(probe()).flatten().tolist() == pytest.approx(out["probe_at_save"], abs=1e-6)
+    assert len(opt.state) == len(list(model.parameters()))
+    x, y = make_data()
+    torch.nn.functional.mse_loss(model(x[-8:]), y[-8:]).backward()
+    opt.step()
+    with torch.no_grad():
+        assert model(probe()).flatten().tolist() == pytest.approx(out["probe_after_step"], abs=1e-5)
+
+
+@pytest.mark.timeout(100)
+def test_plain_build_and_bf16_mixed_computes_in_bf16_on_fp32_shards(script, tmp_path):
+    # built without sharded_init: the plain model is sharded in setup, from rank 0's values
+    out = _run(script, "fsdp", "sgd", 0, tmp_path / "ckpt", "bf16-mixed")
+    torch.manual_seed(0)
+    assert out["initial"] == _flat(make_net())
+    assert out["param_dtype"] == "torch.float32"  # the sharded master copy stays fp32
+    assert out["output_dtype"] == "torch.bfloat16"  # gathered and computed in bf16
+    reference_model, _, _ = reference("sgd")
+    diff = _max_diff(out["params"], _flat(reference_model))
+    assert 0 < diff < 0.05, diff  # bf16 rounding, nothing more
+    assert out["params_rank1"] == out["params"]
+
+
+def test_bad_options_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"state_dict_type='local'.*'sharded', 'full'"):
+        lite.FSDPStrategy(state_dict_type="local")
+    with pytest.raises(TypeError, match=r"auto_wrap_policy=Linear is a single class.*\{Linear\}"):
+        lite.FSDPStrategy(auto_wrap_policy=torch.nn.Linear)
+    with pytest.raises(TypeError, match="auto_wrap_policy must hold torch.nn.Module subclasses"):
+        lite.FSDPStrategy(auto_wrap_policy={int})
+    with pytest.raises(TypeError, match="activation_checkpointing must be a non-empty set"):
+        lite.FSDPStrategy(activation_checkpointing="Linear")
+    with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
+        lite.FSDPStrategy(reshard_after_forward="yes")
+    with pytest.raises(ValueError, match="start_method='spawn'"):
+        lite.FSDPStrategy(start_method="spawn")
+    lite.FSDPStrategy(auto_wrap_policy=lambda m: isinstance(m, torch.nn.Linear))  # a callable is fine
+
+
+def test_bad_combinations_are_refused_before_anything_starts():
+    machine = lite.Machine(cpu_count=2, has_script=False)
+    with pytest.raises(ValueError, match="cpu_offload=True.*accelerator='cpu'"):
+        lite.resolve(strategy=lite.FSDPStrategy(cpu_offload=True), devices=2, accelerator="cpu", env={}, machine=machine)
+    with pytest.raises(ValueError, match="precision='16-mixed'"):
+        lite.FSDPStrategy().check("cuda", 2, "16-mixed")
+    with pytest.raises(ValueError, match="process_group_backend='nccl' needs accelerator='cuda'"):
+        lite.resolve(
+            strategy=lite.FSDPStrategy(process_group_backend="nccl"), devices=2, accelerator="cpu", env={}, machine=machine
+        )
+    plan = lite.resolve(strategy="fsdp", devices=2, accelerator="cpu", env={}, machine=machine)
+    assert isinstance(plan.strategy, lite.FSDPStrategy) and plan.world_size == 2
