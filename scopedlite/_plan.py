@@ -313,13 +313,17 @@ def resolve(
     indices = _device_indices(accel, requested_devices, machine, world)
 
     if world is not None:
-        nodes = requested_nodes or max(1, world.world_size // world.local_world_size)
+        # SLURM may place different numbers of tasks on different nodes and says how many
+        # nodes there are; elsewhere the world is uniform.
+        world_nodes = world.num_nodes or max(1, world.world_size // world.local_world_size)
+        nodes = requested_nodes or world_nodes
         if requested_launcher != "auto" and world.source != "scopedlite":
             raise ValueError(
-                f"launcher={requested_launcher!r} cannot be used inside a {world.source} world: "
+                f"launcher={requested_launcher!r} cannot be used inside an existing world (made by {world.source}): "
                 "the processes exist already and launch joins them. Use launcher='auto'."
             )
-        if len(indices) != world.local_world_size or len(indices) * nodes != world.world_size:
+        uniform = world.num_nodes == 0 or world.local_world_size * world.num_nodes == world.world_size
+        if len(indices) != world.local_world_size or nodes != world_nodes or (uniform and len(indices) * nodes != world.world_size):
             raise ValueError(
                 f"launch(devices={devices!r}, num_nodes={num_nodes!r}) asks for "
                 f"{len(indices)} process(es) per node on {nodes} node(s), but the {world.source} "

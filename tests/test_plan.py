@@ -118,7 +118,7 @@ def test_torchrun_world_is_joined():
 def test_torchrun_world_mismatch_is_an_error():
     with pytest.raises(ValueError, match="world has 2 per node and 4 in all"):
         plan(env=TORCHRUN, devices=3)
-    with pytest.raises(ValueError, match="launcher='fork' cannot be used inside a torchelastic"):
+    with pytest.raises(ValueError, match="launcher='fork' cannot be used inside an existing world \\(made by torchelastic\\)"):
         plan(env=TORCHRUN, launcher="fork")
     broken = {k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}
     with pytest.raises(ValueError, match="MASTER_PORT"):
