@@ -16,6 +16,8 @@ _EXPORTS: dict[str, str] = {
     "autocast": "scopedlite._autocast",
     "CheckpointError": "scopedlite._checkpoint",
     "CollectiveMismatchError": "scopedlite._debug",
+    "CollectiveTimeoutError": "scopedlite._stacks",
+    "should_stop": "scopedlite._stop",
     "load": "scopedlite._checkpoint",
     "save": "scopedlite._checkpoint",
     "all_gather": "scopedlite._collectives",
@@ -29,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerFailedError": "scopedlite._launchers._supervise",
     "Machine": "scopedlite._plan",
     "Plan": "scopedlite._plan",
+    "progress": "scopedlite._progress",
     "resolve": "scopedlite._plan",
     "print": "scopedlite._rank_zero",
     "rank_zero_first": "scopedlite._rank_zero",
@@ -47,6 +50,10 @@ _EXPORTS: dict[str, str] = {
     "to_device": "scopedlite._setup",
     "sharded_init": "scopedlite._sharded_init",
     "DDPStrategy": "scopedlite._strategies",
+    "FSDPStrategy": "scopedlite._strategies",
+    "consolidate_checkpoint": "scopedlite._consolidate",
+    "DeepSpeedStrategy": "scopedlite._strategies",
+    "consolidate_deepspeed_checkpoint": "scopedlite._strategies",
     "SingleDeviceStrategy": "scopedlite._strategies",
     "Strategy": "scopedlite._strategies",
     "no_backward_sync": "scopedlite._sync",
@@ -56,6 +63,8 @@ if TYPE_CHECKING:
     from scopedlite._autocast import autocast as autocast
     from scopedlite._checkpoint import CheckpointError as CheckpointError
     from scopedlite._debug import CollectiveMismatchError as CollectiveMismatchError
+    from scopedlite._stacks import CollectiveTimeoutError as CollectiveTimeoutError
+    from scopedlite._stop import should_stop as should_stop
     from scopedlite._checkpoint import load as load
     from scopedlite._checkpoint import save as save
     from scopedlite._collectives import all_gather as all_gather
@@ -70,6 +79,7 @@ if TYPE_CHECKING:
     from scopedlite._plan import Machine as Machine
     from scopedlite._plan import Plan as Plan
     from scopedlite._plan import resolve as resolve
+    from scopedlite._progress import progress as progress
     from scopedlite._rank_zero import print as print
     from scopedlite._rank_zero import rank_zero_first as rank_zero_first
     from scopedlite._run import Run as Run
@@ -87,6 +97,10 @@ if TYPE_CHECKING:
     from scopedlite._setup import to_device as to_device
     from scopedlite._sharded_init import sharded_init as sharded_init
     from scopedlite._strategies import DDPStrategy as DDPStrategy
+    from scopedlite._strategies import FSDPStrategy as FSDPStrategy
+    from scopedlite._consolidate import consolidate_checkpoint as consolidate_checkpoint
+    from scopedlite._strategies import DeepSpeedStrategy as DeepSpeedStrategy
+    from scopedlite._strategies import consolidate_deepspeed_checkpoint as consolidate_deepspeed_checkpoint
     from scopedlite._strategies import SingleDeviceStrategy as SingleDeviceStrategy
     from scopedlite._strategies import Strategy as Strategy
     from scopedlite._sync import no_backward_sync as no_backward_sync
@@ -108,7 +122,10 @@ def __dir__() -> list[str]:
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DDPStrategy",
+    "FSDPStrategy",
+    "DeepSpeedStrategy",
     "Machine",
     "Plan",
     "RankFailure",
@@ -127,12 +144,15 @@ __all__ = [
     "broadcast",
     "carry",
     "clip_gradients",
+    "consolidate_checkpoint",
+    "consolidate_deepspeed_checkpoint",
     "current",
     "join",
     "launch",
     "load",
     "no_backward_sync",
     "print",
+    "progress",
     "rank_zero_first",
     "resolve",
     "save",
@@ -141,6 +161,7 @@ __all__ = [
     "setup_dataloader",
     "setup_module",
     "setup_optimizers",
+    "should_stop",
     "sharded_init",
     "to_device",
 ]

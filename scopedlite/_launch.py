@@ -38,9 +38,12 @@ from scopedlite._launchers._start import (
     threads_per_process,
 )
 from scopedlite._launchers._supervise import Supervisor, WorkerFailedError, _Interrupted
+from scopedlite._output import install_rank_prefix
 from scopedlite._plan import Machine, Plan, resolve
 from scopedlite._run import Run
 from scopedlite._scope import Scope, ScopeError
+from scopedlite._stacks import CollectiveTimeoutError, collect_stacks, enable_stack_dumps, looks_like_timeout, stack_file
+from scopedlite._stop import StopSignals
 from scopedlite._strategies._base import Rendezvous
 
 __all__ = ["launch"]
@@ -101,9 +104,11 @@ class _Launch(Scope[Run]):
             assert plan.world is not None
             if plan.world.source != "scopedlite":
                 self._role = "external"
+                self._share_cores(plan, plan.world.local_world_size)
                 return self._start_here(plan, plan.world, Rendezvous(plan.world))
             self._role = "worker"
             self._become_worker(plan)
+            install_rank_prefix(plan.world.global_rank)
             try:
                 return self._start_here(plan, plan.world, Rendezvous(plan.world))
             except BaseException as e:  # report it to rank 0 like any failure in the block
@@ -132,8 +137,28 @@ class _Launch(Scope[Run]):
             strategy=strategy,
             timeout=plan.timeout,
         )
-        strategy.start(self.run, rendezvous)
+        try:
+            strategy.start(self.run, rendezvous)
+        except BaseException:
+            _stop_quietly(strategy)  # a strategy failing halfway must not leak its group
+            raise
+        supervisor = self._supervisor
+        self._stop_signals = StopSignals(supervisor.signal_all if supervisor else None).install()
+        if self._role == "worker":
+            self._enable_stack_dumps(world.global_rank)
         return self.run
+
+    def _enable_stack_dumps(self, rank: int) -> None:
+        folder = self._error_dir or Path(os.environ.get(ENV.ERROR_FILE, "")).parent
+        if str(folder) not in ("", "."):
+            enable_stack_dumps(stack_file(Path(folder), rank))
+
+    def _share_cores(self, plan: Plan, local_world_size: int) -> None:
+        """Give each of N local processes max(1, C // N) torch threads, as Fabric does,
+        unless the user (or torchrun) set OMP_NUM_THREADS."""
+        if "OMP_NUM_THREADS" not in os.environ and plan.accelerator == "cpu" and local_world_size > 1:
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(threads_per_process(Machine.probe().cpu_count, local_world_size))
 
     def _become_worker(self, plan: Plan) -> None:
         from scopedlite._launchers._supervise import set_parent_death_signal
@@ -226,6 +251,7 @@ class _Launch(Scope[Run]):
         port = child.read_port()
         n = plan.local_world_size
         world = World("scopedlite", child.local_rank, child.local_rank, 0, n, n, "127.0.0.1", port)
+        install_rank_prefix(child.local_rank)
         return self._start_here(plan, world, Rendezvous(world))
 
     # -- exit --------------------------------------------------------------------------------
@@ -235,11 +261,19 @@ class _Launch(Scope[Run]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        stop_signals = getattr(self, "_stop_signals", None)
+        if stop_signals is not None:
+            stop_signals.uninstall()
         if self._role == "worker":
             self._exit_worker(exc)  # never returns
         if self._role == "parent":
             return self._exit_parent(exc)
-        self.run.strategy.stop()
+        try:
+            self.run.strategy.stop()
+        finally:
+            if self._threads is not None:  # an external world's process shared the cores
+                torch.set_num_threads(self._threads)
+                self._threads = None
         return None
 
     def _exit_worker(self, exc: BaseException | None) -> None:
@@ -294,11 +328,22 @@ class _Launch(Scope[Run]):
                     if failures:
                         raise WorkerFailedError(failures)
                     return None
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and raised_in_block:
+                # Ctrl-C or a second SIGTERM: the user stops the run; workers failing now
+                # only follow the signal we forwarded to them.
+                supervisor.kill_all()
+                _stop_quietly(self.run.strategy)
+                return None
             # Something went wrong. If a worker failed, that is the cause to report.
             interrupted = isinstance(exc, _Interrupted)
             failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
+            timed_out = not failures and not interrupted and looks_like_timeout(exc)  # type: ignore[arg-type]
+            # Ask the workers where they are before stopping them: that is the diagnosis.
+            stacks = collect_stacks(supervisor.workers, supervisor.error_dir) if timed_out else {}
             supervisor.kill_all()
             _stop_quietly(self.run.strategy)
+            if timed_out:
+                raise CollectiveTimeoutError(exc, stacks, self.run.world_size) from exc  # type: ignore[arg-type]
             if failures or interrupted:
                 raise WorkerFailedError(failures or supervisor.failures()) from (
                     None if interrupted else exc

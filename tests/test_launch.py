@@ -122,10 +122,17 @@ def test_rank_zero_failure_stops_the_workers(script, mode):
     _assert_no_survivors(out["pids"])
 
 
-def test_collective_timeout_is_an_error_not_a_hang(script):
+def test_collective_timeout_shows_where_every_rank_was(script):
     result = script("fail", "timeout", 1, 2)
     out = result.json()
-    assert out["error"] is not None, result.explain()
+    assert out["error"] == "CollectiveTimeoutError", result.explain()
+    message = out["message"]
+    assert "--- rank 0 ---" in message and "--- rank 1 ---" in message
+    rank1 = message.split("--- rank 1 ---")[1]
+    from conftest import SCRIPTS
+
+    sleep_line = 1 + [i for i, l in enumerate((SCRIPTS / "fail.py").read_text().splitlines()) if "time.sleep(30)" in l][0]
+    assert f"fail.py\", line {sleep_line}" in rank1  # rank 1 sits in its sleep, not in the collective
     _assert_no_survivors(out["pids"])
     assert result.seconds < 40
 
@@ -295,3 +302,69 @@ def test_a_forked_block_then_an_auto_block_forks_again(run_python):
     lines = [l for l in result.stdout.splitlines() if l.startswith("block")]
     assert [l.split()[:3] for l in lines] == [["block", "fork", "2"], ["block", "auto", "2"]]
     assert len({l.split()[3] for l in lines}) == 1  # both printed by the main process only
+
+
+def _start_and_wait_ready(script_path, out, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import _env
+
+    env = _env()
+    env["OUT"] = str(out)
+    proc = subprocess.Popen([sys.executable, str(script_path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 40
+    while not os.path.exists(f"{out}.ready") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    return proc
+
+
+def test_sigterm_lets_the_loop_save_and_stop_on_every_rank(tmp_path):
+    import os
+    import signal
+
+    from conftest import SCRIPTS
+
+    out = tmp_path / "preempt.json"
+    proc = _start_and_wait_ready(SCRIPTS / "preempt.py", out, tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    result = json.loads(out.read_text())
+    assert result["saved"]
+    assert result["steps"][0] == result["steps"][1] >= 5  # both ranks left at the same step
+    _assert_no_survivors([int(open(f"{out}.pid{r}").read()) for r in (0, 1)])
+
+
+def test_a_second_sigterm_stops_at_once(tmp_path):
+    import os
+    import signal
+
+    path = tmp_path / "ignore_stop.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import os, time, scopedlite as lite
+            out = os.environ["OUT"]
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
+                open(f"{out}.pid{run.global_rank}", "w").write(str(os.getpid()))
+                lite.barrier()
+                if run.is_global_zero:
+                    open(f"{out}.ready", "w").close()
+                time.sleep(60)  # never checks should_stop
+            """
+        )
+    )
+    out = tmp_path / "second.json"
+    proc = _start_and_wait_ready(path, out, tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)
+    import time
+
+    time.sleep(0.5)
+    assert proc.poll() is None  # the first SIGTERM only requests a stop
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=15)
+    assert proc.returncode == 128 + signal.SIGTERM
+    _assert_no_survivors([int(open(f"{out}.pid{r}").read()) for r in (0, 1)])

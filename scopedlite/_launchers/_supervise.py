@@ -147,6 +147,7 @@ class Supervisor:
         self._in_main = threading.current_thread() is threading.main_thread()
         self._previous_handler: object = None
         self._wakeup_read = self._previous_wakeup = -1
+        self._sigterms = 0
         self._thread = threading.Thread(target=self._watch, name="scopedlite-supervisor", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -200,7 +201,10 @@ class Supervisor:
             return
         except OSError:
             return
-        if signal.SIGINT in data or signal.SIGTERM in data:
+        # Ctrl-C stops everything; a first SIGTERM only asks for a clean stop (see _stop.py,
+        # whose handler forwards it to the workers), a second one stops everything.
+        self._sigterms += data.count(signal.SIGTERM)
+        if signal.SIGINT in data or self._sigterms >= 2:
             self.kill_all()
 
     def _on_interrupt(self, signum: int, frame: object) -> None:
@@ -215,6 +219,15 @@ class Supervisor:
             if code not in (None, 0) and worker.pid not in self._killed:
                 return worker
         return None
+
+    def signal_all(self, signum: int) -> None:
+        """Forward a signal (e.g. SIGTERM for a clean stop) to every live worker."""
+        for worker in self.workers:
+            if worker.poll() is None:
+                try:
+                    os.kill(worker.pid, signum)
+                except ProcessLookupError:
+                    continue
 
     def kill_all(self) -> None:
         with self._lock:

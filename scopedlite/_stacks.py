@@ -1,0 +1,81 @@
+"""Where was every rank? Python stacks of the workers, gathered by the main process.
+
+Workers register a faulthandler dump on a dedicated signal; when a collective of the main
+process times out, it signals every live worker and reads what they wrote, so the error shows
+which rank was stuck where (typically: one rank skipped a collective the others wait in).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["STACK_SIGNAL", "CollectiveTimeoutError", "collect_stacks", "enable_stack_dumps", "looks_like_timeout"]
+
+STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
+_open_files: list[IO[str]] = []
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A collective waited longer than ``launch(timeout=...)``; shows where every rank was.
+
+    Attributes:
+        stacks: Each worker's Python stacks (all threads) at the time of the timeout, by rank.
+    """
+
+    def __init__(self, cause: BaseException, stacks: dict[int, str], world_size: int) -> None:
+        import traceback
+
+        self.stacks = stacks
+        lines = [
+            f"A collective timed out on rank 0 ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}). "
+            "Where every rank was (a rank that is not inside the same collective skipped it):",
+            "\n--- rank 0 ---\n" + "".join(traceback.format_tb(cause.__traceback__)).rstrip(),
+        ]
+        for rank in range(1, world_size):
+            stack = stacks.get(rank)
+            lines.append(f"\n--- rank {rank} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)"))
+        super().__init__("\n".join(lines))
+
+
+def stack_file(error_dir: Path, rank: int) -> Path:
+    return error_dir / f"stack{rank}.txt"
+
+
+def enable_stack_dumps(path: Path) -> None:
+    """In a worker: dump all threads' stacks to ``path`` when STACK_SIGNAL arrives."""
+    handle = open(path, "w")  # noqa: SIM115 - kept open for the life of the worker
+    _open_files.append(handle)
+    faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True)
+
+
+def collect_stacks(workers: list[Any], error_dir: Path, wait: float = 1.0) -> dict[int, str]:
+    """In the main process: ask every live worker for its stack and read the answers."""
+    asked = []
+    for worker in workers:
+        if worker.poll() is None:
+            try:
+                os.kill(worker.pid, STACK_SIGNAL)
+                asked.append(worker.rank)
+            except ProcessLookupError:
+                continue
+    deadline = time.monotonic() + wait
+    stacks: dict[int, str] = {}
+    while time.monotonic() < deadline and len(stacks) < len(asked):
+        for rank in asked:
+            path = stack_file(error_dir, rank)
+            text = path.read_text() if path.exists() else ""
+            if "File" in text:
+                stacks[rank] = text
+        time.sleep(0.02)
+    time.sleep(0.05)
+    return {rank: stack_file(error_dir, rank).read_text() for rank in stacks}
+
+
+def looks_like_timeout(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return "timeout" in text or "timed out" in text

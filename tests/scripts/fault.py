@@ -1,0 +1,75 @@
+"""Fault injection: one rank fails in one way at one point; rank 0 reports what it caught.
+
+argv: rank mode point
+  mode:  raise | kill (SIGKILL) | abort (SIGABRT) | sigterm (two SIGTERMs: a forced stop)
+  point: init (right after launch) | forward (inside the model's forward) |
+         collective (the others wait in an all_reduce) | save (while rank 0 saves)
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import scopedlite as lite
+
+rank_to_fail, mode, point = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+marks = Path(os.environ["OUT"] + ".marks")
+marks.mkdir(exist_ok=True)
+
+
+def fail() -> None:
+    (marks / "fault").write_text(repr(time.time()))
+    if mode == "raise":
+        raise RuntimeError(f"injected fault on rank {lite.current().global_rank} at {point}")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "abort":
+        os.abort()
+    if mode == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+
+outcome = {}
+try:
+    with lite.launch(strategy="ddp", devices=3, accelerator="cpu", timeout=30) as run:
+        me = run.global_rank
+        (marks / f"pid{me}").write_text(str(os.getpid()))
+        if point == "init" and me == rank_to_fail:
+            fail()
+        model = lite.setup(torch.nn.Linear(4, 1))
+        if point == "forward" and me == rank_to_fail:
+            model.register_forward_pre_hook(lambda *_: fail())
+        for step in range(3):
+            loss = model(torch.randn(8, 4)).sum()
+            lite.backward(loss)
+            if point == "collective":
+                if me == rank_to_fail and step == 1:
+                    time.sleep(0.2)
+                    fail()
+                lite.all_reduce(loss.detach())
+        if point == "save":
+            if me == rank_to_fail:
+                fail()
+            lite.save(os.environ["OUT"] + ".ckpt", {"model": model})
+        time.sleep(5)  # a run that survives the fault would idle here, not finish
+    outcome["error"] = None
+except BaseException as e:  # noqa: BLE001 - report whatever came out
+    caught = time.time()
+    fault = float((marks / "fault").read_text()) if (marks / "fault").exists() else None
+    outcome = {
+        "error": type(e).__name__,
+        "message": str(e),
+        "ranks": list(getattr(e, "ranks", ())),
+        "latency": None if fault is None else caught - fault,
+    }
+outcome["pids"] = [int(p.read_text()) for p in marks.glob("pid*")]
+with open(os.environ["OUT"], "w") as f:
+    json.dump(outcome, f)
