@@ -102,7 +102,7 @@ def _uneven(quick: bool) -> list[Measurement]:
     out.unlink()
     epoch = {mode: median(times) for mode, times in data["epoch_s"].items()}
     coverage = {mode: _coverage(seen) for mode, seen in data["seen"].items()}
-    log(f"join uneven: " + ", ".join(f"{m} {t:.2f} s" for m, t in epoch.items()))
+    log("join uneven: " + ", ".join(f"{m} {t:.2f} s" for m, t in epoch.items()))
     raw = {"epoch_s": data["epoch_s"], "coverage": coverage, "wall_s": result.wall_s}
     rows = []
     for baseline, label in (("padded", "padded sampler, no join"), ("torch_join", "torch Join over the same shards")):

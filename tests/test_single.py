@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import scopedlite as lite
 

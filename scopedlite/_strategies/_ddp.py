@@ -11,7 +11,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite import _distributed
-from scopedlite._strategies._base import Rendezvous, ReduceOp, Strategy
+from scopedlite._strategies._process_group import ProcessGroupCollectives
+from scopedlite._strategies._base import Rendezvous, Strategy
 from scopedlite._strategies._scaler import GradientScaling
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
 _START_METHODS = ("script", "fork")
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ProcessGroupCollectives, Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` over one process per device.
 
     Args:
@@ -157,24 +158,4 @@ class DDPStrategy(Strategy):
         modules = tuple(m for m in (ref() for ref in self._modules) if m is not None)
         optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
         return ProcessGroupJoin(self, joinables or modules, optimizers, divide_by_initial_world_size)
-
-    # -- collectives ----------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        return _distributed.all_reduce_tensor(tensor, op, self._comm_device)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _distributed.all_gather_tensor(tensor, self._comm_device)
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        result = _distributed.broadcast_any(obj, src, self._comm_device)
-        return _distributed_result_to(result, self.run.device)
-
-    def barrier(self) -> None:
-        _distributed.barrier(self._backend, self.run.device)
-
-
-def _distributed_result_to(result: Any, device: torch.device) -> Any:
-    from scopedlite._structures import map_tensors
-
-    return map_tensors(result, lambda t: t.to(device))
 

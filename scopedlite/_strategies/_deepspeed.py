@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Mapping
 import torch
 
 from scopedlite import _distributed
-from scopedlite._strategies._base import Rendezvous, ReduceOp, Strategy
+from scopedlite._strategies._process_group import ProcessGroupCollectives
+from scopedlite._strategies._base import Rendezvous, Strategy
 
 if TYPE_CHECKING:
     from scopedlite._run import Run
@@ -94,7 +95,7 @@ def _read_config(config: dict[str, Any] | str | os.PathLike[str] | None) -> dict
     )
 
 
-class DeepSpeedStrategy(Strategy):
+class DeepSpeedStrategy(ProcessGroupCollectives, Strategy):
     """DeepSpeed ZeRO data parallelism over one process per device.
 
     Args:
@@ -436,22 +437,6 @@ class DeepSpeedStrategy(Strategy):
                 f"its optimizer (`model, opt = lite.setup(model, opt)`); this run has {len(training)}."
             )
         return training[0]
-
-    # -- collectives: our own, over the process group DeepSpeed shares --------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        return _distributed.all_reduce_tensor(tensor, op, self._comm_device)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _distributed.all_gather_tensor(tensor, self._comm_device)
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        from scopedlite._structures import map_tensors
-
-        result = _distributed.broadcast_any(obj, src, self._comm_device)
-        return map_tensors(result, lambda t: t.to(self.run.device))
-
-    def barrier(self) -> None:
-        _distributed.barrier(self._backend, self.run.device)
 
     # -- checkpoints: the engine's sharded directory ------------------------------------
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

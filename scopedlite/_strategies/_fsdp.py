@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Itera
 import torch
 
 from scopedlite import _distributed
-from scopedlite._strategies._base import Rendezvous, ReduceOp, Strategy
+from scopedlite._strategies._process_group import ProcessGroupCollectives
+from scopedlite._strategies._base import Rendezvous, Strategy
 
 if TYPE_CHECKING:
     from scopedlite._run import Run
@@ -50,7 +51,7 @@ def _module_classes(argument: str, value: Any) -> frozenset[type[torch.nn.Module
     return frozenset(value)
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ProcessGroupCollectives, Strategy):
     """FSDP2: parameters, gradients and optimizer state sharded over the processes.
 
     Args:
@@ -295,22 +296,6 @@ class FSDPStrategy(Strategy):
                 f"{type(module).__name__}. Use `model = lite.setup(model)` first."
             )
         return _without_gradient_sync(module) if enabled else contextlib.nullcontext()
-
-    # -- collectives ----------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        return _distributed.all_reduce_tensor(tensor, op, self._comm_device)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return _distributed.all_gather_tensor(tensor, self._comm_device)
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        from scopedlite._structures import map_tensors
-
-        result = _distributed.broadcast_any(obj, src, self._comm_device)
-        return map_tensors(result, lambda t: t.to(self.run.device))
-
-    def barrier(self) -> None:
-        _distributed.barrier(self._backend, self.run.device)
 
     # -- checkpoints ----------------------------------------------------------------------
     def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:

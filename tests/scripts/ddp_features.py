@@ -3,7 +3,6 @@
 Rank 0 writes the results; the test compares them with one process.
 """
 
-import os
 import sys
 import time
 

@@ -23,7 +23,7 @@ with lite.launch(strategy=lite.DDPStrategy(static_graph=case == "static_graph"),
     try:
         with lite.join(model):
             if case == "broadcast_from_joined":
-                for step in range(3 if run.global_rank == 0 else 1):
+                for _ in range(3 if run.global_rank == 0 else 1):
                     lite.broadcast("hi" if run.global_rank == 1 else None, src=1)
         result[run.global_rank] = "no error"
     except (ValueError, RuntimeError) as e:
