@@ -39,3 +39,68 @@ def test_readme_snippet_runs(run_python, tmp_path):
     assert (tmp_path / "ckpt.pt").exists()
     # 50 samples on 2 ranks in batches of 8: 4 steps on each rank, printed once each
     assert len([line for line in result.stdout.splitlines() if line.startswith("tensor(")]) == 4
+
+
+def _floats(pattern: str, text: str) -> list[float]:
+    return [float(v) for v in re.findall(pattern, text)]
+
+
+def test_example_eval_uneven_join_gives_the_one_process_mean(run_python):
+    result = run_python(str(REPO / "examples" / "eval_uneven.py"))
+    assert result.returncode == 0, result.explain()
+    assert "10 samples on 3 ranks" in result.stdout
+    (padded,) = _floats(r"padded sampler, no join: mean loss ([0-9.]+)", result.stdout)
+    (exact,) = _floats(r"with lite.join\(model\): +mean loss ([0-9.]+)", result.stdout)
+    (reference,) = _floats(r"one process: +mean loss ([0-9.]+)", result.stdout)
+    assert exact == pytest.approx(reference, rel=1e-5), result.stdout
+    # padding counts two samples twice: the mean must be visibly off, not a rounding difference
+    assert abs(padded - reference) > 0.01 * reference, result.stdout
+
+
+def test_example_accumulate_matches_one_process_on_the_big_batch(run_python):
+    result = run_python(str(REPO / "examples" / "accumulate.py"))
+    assert result.returncode == 0, result.explain()
+    assert "2 process(es), 4 micro-batches of 8 per step" in result.stdout
+    assert "gradients stayed local inside no_backward_sync: True" in result.stdout
+    (diff,) = _floats(r"max difference from one process on the big batch: ([0-9.e+-]+)", result.stdout)
+    assert diff < 1e-5, result.stdout
+    losses = _floats(r"step \d+: loss ([0-9.]+)", result.stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0] * 0.1, losses
+
+
+def _deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "fsdp",
+        pytest.param(
+            "deepspeed_stage_3",
+            marks=[
+                pytest.mark.skipif(not _deepspeed_installed(), reason="deepspeed is not installed (pip install scopedlite[deepspeed])"),
+                pytest.mark.timeout(400),  # the first run on a machine JIT-builds DeepSpeed's op
+            ],
+        ),
+    ],
+)
+def test_example_sharded_trains_saves_and_consolidates(run_python, tmp_path, strategy):
+    import os
+    from pathlib import Path
+
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/scopedlite/torch_extensions"))}
+    result = run_python(str(REPO / "examples" / "sharded.py"), "--strategy", strategy, env=env, timeout=360)
+    assert result.returncode == 0, result.explain()
+    held = {int(r): (int(local), int(full)) for r, local, full in re.findall(r"rank (\d) holds (\d+) of (\d+)", result.stdout)}
+    assert sorted(held) == [0, 1], result.stdout
+    full = held[0][1]
+    assert sum(local for local, _ in held.values()) >= full  # together the ranks hold all of it
+    assert all(local <= full // 2 + 64 for local, _ in held.values()), held  # each about half (row padding)
+    losses = _floats(r"epoch -?\d+: loss ([0-9.]+)", result.stdout)
+    assert len(losses) == 5 and losses[-1] < losses[0] * 0.2, losses
+    assert (tmp_path / "sharded-ckpt").is_dir()
+    loaded, in_run = map(float, re.search(r"loss ([0-9.]+) \(in the run: ([0-9.]+)\)", result.stdout).groups())
+    assert loaded == pytest.approx(in_run, rel=1e-4, abs=1e-6), result.stdout
