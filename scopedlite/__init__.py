@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "consolidate_deepspeed_checkpoint": "scopedlite._strategies",
     "SingleDeviceStrategy": "scopedlite._strategies",
     "Strategy": "scopedlite._strategies",
+    "XLAStrategy": "scopedlite._strategies",
     "no_backward_sync": "scopedlite._sync",
 }
 
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
     from scopedlite._strategies import consolidate_deepspeed_checkpoint as consolidate_deepspeed_checkpoint
     from scopedlite._strategies import SingleDeviceStrategy as SingleDeviceStrategy
     from scopedlite._strategies import Strategy as Strategy
+    from scopedlite._strategies import XLAStrategy as XLAStrategy
     from scopedlite._sync import no_backward_sync as no_backward_sync
 
 
@@ -136,6 +138,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "Strategy",
     "WorkerFailedError",
+    "XLAStrategy",
     "all_gather",
     "all_reduce",
     "autocast",

@@ -129,5 +129,9 @@ def setup_dataloader(
             raise TypeError(f"setup_dataloader takes torch DataLoaders, got {type(loader).__name__}.")
         if use_distributed_sampler and run.world_size > 1:
             loader = _shard_loader(loader, run.global_rank, run.world_size, current_seed())
-        prepared.append(DeviceDataLoader(loader, run.device if move_to_device else None))
+        wrap = getattr(run.strategy, "wrap_dataloader", None)  # e.g. XLA's parallel loader
+        if wrap is not None and move_to_device:
+            prepared.append(wrap(loader))
+        else:
+            prepared.append(DeviceDataLoader(loader, run.device if move_to_device else None))
     return prepared[0] if len(prepared) == 1 else tuple(prepared)

@@ -395,7 +395,8 @@ def launch(
     """Open the parallel region: ``with lite.launch(...) as run:``.
 
     Args:
-        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"gpu"`` (CUDA or MPS) or ``"mps"``.
+        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"gpu"`` (CUDA or MPS), ``"mps"``, or
+            ``"tpu"``/``"xla"`` (needs ``scopedlite[xla]``; never chosen by ``"auto"``).
         strategy: A name (``"auto"``, ``"single"``, ``"ddp"``, ``"ddp_fork"``, ...) or a
             configured instance such as ``lite.DDPStrategy(find_unused_parameters=True)``.
         devices: ``"auto"``, a number of devices (processes on CPU), or CUDA indices.

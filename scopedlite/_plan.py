@@ -20,7 +20,7 @@ from scopedlite._strategies import STRATEGIES, Strategy
 
 __all__ = ["ACCELERATORS", "LAUNCHERS", "Machine", "Plan", "resolve"]
 
-ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
 LAUNCHERS = ("auto", "script", "fork")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -39,6 +39,11 @@ class Machine:
             the test session again).
         launched_before: Whether this process already ran a multi-process launch block:
             re-executed workers would run that block again, so a later block must fork.
+        xla_device_count: XLA devices a launch may use (TPU chips, or 1 XLA:CPU device with
+            ``PJRT_DEVICE=CPU``), found without starting the XLA runtime or asking the TPU
+            metadata server.
+        xla_problem: Why torch_xla cannot be used (missing, or built for another torch), or
+            None.
     """
 
     cuda_device_count: int = 0
@@ -47,11 +52,16 @@ class Machine:
     cuda_initialized: bool = False
     has_script: bool = True
     launched_before: bool = False
+    xla_device_count: int = 0
+    xla_problem: str | None = None
 
     @classmethod
     def probe(cls, launched_before: bool = False) -> Machine:
         import torch
 
+        from scopedlite._strategies._xla import xla_device_count, xla_import_problem
+
+        xla_problem = xla_import_problem()
         # is_available / device_count do not create a CUDA context, so probing keeps fork safe.
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return cls(
@@ -61,6 +71,8 @@ class Machine:
             cuda_initialized=bool(torch.cuda.is_initialized()),
             has_script=_has_script(),
             launched_before=launched_before,
+            xla_device_count=xla_device_count(os.environ, installed=xla_problem is None),
+            xla_problem=xla_problem,
         )
 
 
@@ -95,7 +107,8 @@ class Plan:
     """Everything ``launch`` will do, decided before it does any of it.
 
     Attributes:
-        accelerator: ``"cpu"``, ``"cuda"`` or ``"mps"``.
+        accelerator: ``"cpu"``, ``"cuda"``, ``"mps"`` or ``"xla"`` (asked for as ``"tpu"``
+            or ``"xla"``).
         strategy: The configured strategy (each launch works on a fresh copy of it).
         precision: The precision setting.
         devices: Device indices used on this node, one process each (CPU: 0..n-1).
@@ -225,6 +238,16 @@ def _check_timeout(timeout: object) -> datetime.timedelta:
 
 
 def _pick_accelerator(requested: str, devices: str | int | tuple[int, ...], machine: Machine) -> str:
+    if requested in ("tpu", "xla"):
+        if machine.xla_problem is not None:
+            raise ImportError(f"accelerator={requested!r}: {machine.xla_problem}")
+        if machine.xla_device_count == 0:
+            raise ValueError(
+                f"accelerator={requested!r} was requested but no XLA device is usable: no TPU "
+                "chip is attached and PJRT_DEVICE is not 'CPU' (set PJRT_DEVICE=CPU for one "
+                "XLA:CPU device). Use accelerator='cpu' or 'auto'."
+            )
+        return "xla"
     if requested == "cuda" or (requested == "gpu" and machine.cuda_device_count):
         if machine.cuda_device_count == 0:
             raise ValueError(
@@ -260,6 +283,8 @@ def _device_indices(accelerator: str, devices: str | int | tuple[int, ...], mach
             )
         count = (world.local_world_size if world else 1) if devices == "auto" else devices
         return tuple(range(count))  # type: ignore[arg-type]
+    if accelerator == "xla":
+        return _xla_devices(devices, machine, world)
     if accelerator == "mps":
         if devices not in ("auto", 1, (0,)):
             raise ValueError(f"devices={devices!r} is not valid on accelerator='mps': there is one MPS device.")
@@ -282,6 +307,29 @@ def _device_indices(accelerator: str, devices: str | int | tuple[int, ...], mach
             f"device(s) are visible (valid indices 0..{available - 1})."
         )
     return devices  # type: ignore[return-value]
+
+
+def _xla_devices(devices: str | int | tuple[int, ...], machine: Machine, world: World | None) -> tuple[int, ...]:
+    """One entry per process. Each XLA process is bound to one chip, which it sees as
+    ``xla:0``, so every entry is 0."""
+    available = machine.xla_device_count
+    if isinstance(devices, tuple):
+        raise ValueError(
+            f"devices={list(devices)!r}: on accelerator='tpu' pass a number of devices "
+            f"(one process per chip), e.g. devices={len(devices)}, or 'auto'."
+        )
+    count = (world.local_world_size if world else available) if devices == "auto" else devices
+    if world is None and 1 < count < available:
+        raise ValueError(
+            f"devices={devices!r}: torch_xla runs one process on every TPU chip of the host "
+            f"({available}) or one process alone. Use devices='auto' or devices=1."
+        )
+    if count > available:
+        raise ValueError(
+            f"devices={devices!r} but only {available} XLA device(s) are usable here"
+            + (" (XLA:CPU runs one device: devices=1)." if available == 1 else f". Use devices={available} or fewer.")
+        )
+    return (0,) * count
 
 
 def resolve(
@@ -344,6 +392,8 @@ def resolve(
 
     if chosen_strategy == "auto":
         name = "ddp" if world_size > 1 or world is not None else "single"
+        if accel == "xla":
+            name = "xla" if world_size > 1 or world is not None else "xla_single"
         chosen_strategy = STRATEGIES[name]()
     elif isinstance(chosen_strategy, str):
         chosen_strategy = STRATEGIES[chosen_strategy]()

@@ -12,6 +12,7 @@ from scopedlite._strategies._ddp import DDPStrategy
 from scopedlite._strategies._fsdp import FSDPStrategy
 from scopedlite._strategies._deepspeed import DeepSpeedStrategy, consolidate_deepspeed_checkpoint
 from scopedlite._strategies._single import SingleDeviceStrategy
+from scopedlite._strategies._xla import XLASingleDeviceStrategy, XLAStrategy
 
 __all__ = [
     "STRATEGIES",
@@ -20,6 +21,8 @@ __all__ = [
     "DeepSpeedStrategy",
     "SingleDeviceStrategy",
     "Strategy",
+    "XLASingleDeviceStrategy",
+    "XLAStrategy",
     "consolidate_deepspeed_checkpoint",
     "strategy_from_name",
 ]
@@ -37,6 +40,9 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
     "deepspeed_stage_2_offload": lambda: DeepSpeedStrategy(stage=2, offload_optimizer=True),
     "deepspeed_stage_3": lambda: DeepSpeedStrategy(stage=3),
     "deepspeed_stage_3_offload": lambda: DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True),
+    # torch_xla is imported only when such a run starts (extra scopedlite[xla]).
+    "xla": XLAStrategy,
+    "xla_single": XLASingleDeviceStrategy,
 }
 
 

@@ -1,0 +1,417 @@
+"""XLA (TPU, and XLA:CPU for testing): ``accelerator="tpu"`` (alias ``"xla"``).
+
+torch_xla lives in the optional extra ``scopedlite[xla]`` and is imported only when an XLA run
+starts. Each torch_xla release is built against exactly one torch release (torch-xla 2.9.0
+needs torch 2.9.0), so a mismatch is reported before the import, which would otherwise fail
+with an undefined C++ symbol.
+
+Two strategies:
+
+- ``"xla_single"`` (:class:`XLASingleDeviceStrategy`): one process, one XLA device. This is
+  what ``strategy="auto"`` picks for one device, and the one that runs on XLA:CPU
+  (``PJRT_DEVICE=CPU``), where several devices cannot run collectives upstream.
+- ``"xla"`` (:class:`XLAStrategy`): one process per TPU chip. The processes are forked like
+  the notebook launcher's, so they run the body of the ``with`` block; each then performs the
+  per-process PJRT set-up that ``torch_xla.launch``/``xmp.spawn`` perform in theirs (which
+  cannot be used directly: they call a function, not the rest of a ``with`` block).
+
+Device detection never asks the TPU metadata server (``torch_xla._internal.tpu
+.num_available_devices()`` tries it for seconds on a CPU host): chips are counted on the PCI
+bus, and only when ``PJRT_DEVICE`` is unset or ``TPU``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import types
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Mapping
+
+import torch
+
+from scopedlite._strategies._base import ReduceOp, Rendezvous, Strategy
+
+if TYPE_CHECKING:
+    from scopedlite._run import Run
+
+__all__ = [
+    "TORCH_FOR_XLA",
+    "XLASingleDeviceStrategy",
+    "XLAStrategy",
+    "import_torch_xla",
+    "xla_device_count",
+    "xla_import_problem",
+]
+
+# The torch release the torch-xla we test against (2.9.0) is built for.
+TORCH_FOR_XLA = "2.9.0"
+XLA_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
+
+# Google's PCI vendor id and the device ids of TPU chips (v2/v3, v4, v5e, v6e, test, 7x), as
+# torch_xla 2.9's own chip count reads them: a local file read, no network.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")
+
+
+def _release(version: str) -> str:
+    """``"2.9.0+cu128"`` -> ``"2.9.0"``."""
+    return version.split("+")[0]
+
+
+def xla_import_problem() -> str | None:
+    """Why torch_xla cannot be used here (not installed, or built for another torch), or None.
+
+    Reads package metadata only: importing a mismatched torch_xla fails with an obscure
+    undefined-symbol error, and importing a good one costs seconds.
+    """
+    if importlib.util.find_spec("torch_xla") is None:
+        return (
+            f"XLA/TPU runs need torch_xla, which is not installed. Install the extra: "
+            f"pip install scopedlite[xla] (torch-xla {TORCH_FOR_XLA} needs exactly "
+            f"torch=={TORCH_FOR_XLA}; this environment has torch {torch.__version__})."
+        )
+    try:
+        xla_version = importlib.metadata.version("torch_xla")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # a source build: nothing to compare against
+    torch_release, xla_release = _release(torch.__version__), _release(xla_version)
+    if torch_release != xla_release:
+        return (
+            f"torch_xla {xla_version} is installed with torch {torch.__version__}, but each "
+            f"torch_xla release needs exactly the torch of the same version (torch=="
+            f"{xla_release}). Install matching versions, e.g. pip install scopedlite[xla] "
+            f"torch=={TORCH_FOR_XLA} torch-xla=={TORCH_FOR_XLA}."
+        )
+    return None
+
+
+def import_torch_xla() -> types.ModuleType:
+    """Import torch_xla, or raise an ImportError naming the extra and the torch it needs."""
+    problem = xla_import_problem()
+    if problem is not None:
+        raise ImportError(problem)
+    import torch_xla
+
+    return torch_xla
+
+
+def _tpu_chips(pci_root: Path = Path("/sys/bus/pci/devices")) -> int:
+    """TPU chips attached to this host, counted on the PCI bus (no metadata server)."""
+    count = 0
+    try:
+        devices = list(pci_root.iterdir())
+    except OSError:
+        return 0
+    for device in devices:
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            if vendor != _GOOGLE_PCI_VENDOR:
+                continue
+            if (device / "device").read_text().strip() in _TPU_PCI_DEVICES:
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def xla_device_count(env: Mapping[str, str], installed: bool) -> int:
+    """How many XLA devices a launch may use, decided without starting the XLA runtime.
+
+    ``PJRT_DEVICE=CPU`` gives one XLA:CPU device (several cannot run collectives upstream);
+    ``PJRT_DEVICE=TPU`` or unset counts TPU chips on the PCI bus (one process per chip);
+    any other PJRT device (CUDA) is not supported by scopedlite's XLA strategies: 0.
+    """
+    if not installed:
+        return 0
+    pjrt = env.get("PJRT_DEVICE", "").upper()
+    if pjrt == "CPU":
+        return 1
+    if pjrt in ("", "TPU"):
+        return _tpu_chips()
+    return 0
+
+
+def _xm() -> Any:
+    import_torch_xla()
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def _sync() -> None:
+    """End the lazy graph here and run it (``xm.mark_step`` in older torch_xla)."""
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:  # torch_xla < 2.6
+        _xm().mark_step()
+
+
+class _XLABase(Strategy):
+    """What both XLA strategies share: placement, the optimizer step, the loader, checkpoints.
+
+    Training code stays unchanged: ``optimizer.step()`` on the optimizer ``setup`` returned
+    ends the step's lazy graph and runs it, as ``xm.optimizer_step`` with a barrier does, so
+    the graph does not grow across steps.
+    """
+
+    accelerators: ClassVar[tuple[str, ...]] = ("xla",)
+
+    def check(self, accelerator: str, world_size: int, precision: str) -> None:
+        if precision not in XLA_PRECISIONS:
+            raise ValueError(
+                f"precision={precision!r} is not supported on XLA by scopedlite; choose one of "
+                f"{', '.join(map(repr, XLA_PRECISIONS))} (fp16 mixed precision needs a loss "
+                "scaler that torch does not provide for XLA devices)."
+            )
+        if not self.multi_process and world_size != 1:
+            raise ValueError(
+                f"strategy={self.name!r} runs one process, but the run asks for {world_size}. "
+                "Use strategy='xla' for one process per TPU chip, or devices=1."
+            )
+
+    def start(self, run: Run, rendezvous: Rendezvous | None) -> None:
+        import_torch_xla()
+        self.run = run
+
+    # -- modules and optimizers ---------------------------------------------------------
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move ``module`` to the XLA device. Unlike CPU and CUDA, moving to XLA makes new
+        ``Parameter`` objects (XLA tensors cannot take a CPU tensor's place), so the old-to-new
+        pairs are kept for :meth:`setup_optimizer` to repoint an optimizer made before."""
+        before = list(module.parameters())
+        module = self.run.precision.convert_module(module.to(self.run.device))
+        moved = getattr(self, "_moved", None)
+        if moved is None:
+            moved = self._moved = {}
+        for old, new in zip(before, module.parameters()):
+            if old is not new:
+                moved[id(old)] = (weakref.ref(old), weakref.ref(new))
+        return module
+
+    def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` hold the XLA parameters its CPU parameters became."""
+        moved = getattr(self, "_moved", {})
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                old_ref, new_ref = moved.get(id(p), (None, None))
+                new = new_ref() if new_ref is not None and old_ref() is p else None
+                if new is not None and p in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(p)
+                params.append(p if new is None else new)
+            group["params"] = params
+        stray = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if p.device.type != "xla"]
+        if stray:
+            raise ValueError(
+                f"The optimizer holds parameters that are not on the XLA device (shapes {stray}). "
+                "Pass the model first: `model, opt = lite.setup(model, opt)`, or call "
+                "lite.setup(model) before lite.setup_optimizers(opt)."
+            )
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Reroute ``optimizer.step`` on the instance: reduce gradients over the processes
+        (``xm.reduce_gradients``), step, then run the step's graph (``xm.optimizer_step``)."""
+        self._repoint(optimizer)
+        original_step = optimizer.step
+        reduce = self.run.world_size > 1
+
+        def step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+            if reduce:
+                _xm().reduce_gradients(opt)
+            result = original_step() if closure is None else original_step(closure)
+            _sync()
+            return result
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        return optimizer
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        try:
+            loss.backward(*args, **kwargs)
+        except RuntimeError as e:
+            if "device_ready_queues_" not in str(e):
+                raise
+            raise RuntimeError(
+                "backward on the XLA device failed because this process ran a backward before "
+                "torch_xla was imported: torch's autograd engine sizes its per-device queues "
+                "at its first backward, and XLA had none then. Import torch_xla (or start the "
+                "XLA launch) before any other training in this process, or run the XLA part in "
+                "its own process."
+            ) from e
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
+        # Gradients are reduced in optimizer.step, never in backward: nothing to skip.
+        return contextlib.nullcontext()
+
+    def wrap_dataloader(self, loader: Any) -> Any:
+        """Feed batches through XLA's parallel device loader (``MpDeviceLoader``), which
+        copies the next batches to the device in background threads."""
+        return _loader_class()(loader, self.run.device)
+
+    # -- collectives: one process, the identity (the front end never calls these) --------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(0)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+    # -- checkpoints: xm.save semantics, tensors moved to CPU (rank 0 writes: lite.save) --
+    def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        return _to_cpu(self.unwrap(module).state_dict())
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return _to_cpu(optimizer.state_dict())
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        # torch moves the state tensors to the parameters' device (XLA) itself.
+        optimizer.load_state_dict(state)
+
+    def describe(self) -> str:
+        return f"strategy={self.name!r}"
+
+
+class XLASingleDeviceStrategy(_XLABase):
+    """One process on one XLA device (a TPU chip, or XLA:CPU with ``PJRT_DEVICE=CPU``)."""
+
+    name: ClassVar[str] = "xla_single"
+    multi_process: ClassVar[bool] = False
+
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
+        from scopedlite._join_session import NoJoin
+
+        return NoJoin()  # one process: nothing can be uneven, as under strategy='single'
+
+
+def _to_cpu(state: Any) -> Any:
+    """Run what is pending and copy every tensor to CPU, as ``xm.save`` does before writing."""
+    from scopedlite._structures import map_tensors
+
+    _sync()
+    return map_tensors(state, lambda t: t.detach().cpu())
+
+
+class XLAStrategy(_XLABase):
+    """One process per TPU chip; gradients reduced in ``optimizer.step`` as ``xm.optimizer_step``
+    does, our collectives mapped to XLA's, ``barrier`` as ``xm.rendezvous``.
+
+    The processes are forked at ``launch`` (so they run the body of the block) and each does
+    the per-process PJRT set-up of ``torch_xla.launch``. A small gloo group beside XLA carries
+    the launcher's rendezvous and pickled objects for ``broadcast``.
+
+    ``lite.join`` is refused (the strategy has no ``join``, so the scope raises): torch's
+    Join lets ranks that ran out of data shadow the others' collectives only on
+    torch.distributed process groups, while under XLA every rank's step is one compiled graph
+    holding the same collectives.
+    """
+
+    name: ClassVar[str] = "xla"
+    multi_process: ClassVar[bool] = True
+    launcher: ClassVar[str | None] = "fork"
+
+    def start(self, run: Run, rendezvous: Rendezvous | None) -> None:
+        import_torch_xla()
+        self.run = run
+        self._group = False
+        if run.world_size > 1:
+            assert rendezvous is not None, "a multi-process XLA run needs a rendezvous"
+            _initialize_tpu_process(run.local_rank, run.local_world_size)
+            from scopedlite import _distributed
+
+            _distributed.init_process_group("gloo", rendezvous.world, timeout=run.timeout, store=rendezvous.store)
+            self._group = True
+
+    def stop(self) -> None:
+        if self._group:
+            from scopedlite import _distributed
+
+            _distributed.destroy_process_group()
+            self._group = False
+
+    # -- collectives over XLA (run on the device, inside the lazy graph) --------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        xm = _xm()
+        kinds = {"sum": xm.REDUCE_SUM, "mean": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
+        work = tensor.detach().to(self.run.device)
+        if work.dtype == torch.bool:
+            work = work.to(torch.int64 if op in ("sum", "mean") else torch.uint8)
+        scale = 1.0 / self.run.world_size if op == "mean" else 1.0
+        # all_reduce of a single tensor returns a new tensor and leaves the input alone.
+        result = xm.all_reduce(kinds[op], work, scale=scale)
+        if tensor.dtype == torch.bool and op in ("max", "min"):
+            result = result.bool()
+        return result.to(tensor.device)  # type: ignore[no-any-return]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        xm = _xm()
+        work = tensor.detach().to(self.run.device).unsqueeze(0)
+        return xm.all_gather(work, dim=0).to(tensor.device)  # type: ignore[no-any-return]
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        from scopedlite import _distributed
+        from scopedlite._structures import map_tensors
+
+        if self.run.world_size == 1:
+            return obj
+        _sync()  # tensors in obj must be computed before they are copied to CPU and sent
+        result = _distributed.broadcast_any(obj, src, torch.device("cpu"))
+        return map_tensors(result, lambda t: t.to(self.run.device))
+
+    def barrier(self) -> None:
+        if self.run.world_size > 1:
+            _xm().rendezvous("scopedlite.barrier")
+
+
+def _initialize_tpu_process(local_rank: int, local_world_size: int) -> None:
+    """What ``torch_xla.launch``/``xmp.spawn`` do in each process they start: bind it to its
+    TPU chip (``TPU_VISIBLE_CHIPS``, process bounds and addresses) before the runtime starts.
+
+    Needs a TPU; XLA:CPU cannot run several processes with collectives upstream.
+    """
+    if os.environ.get("PJRT_DEVICE", "TPU").upper() != "TPU":
+        raise RuntimeError(
+            f"strategy='xla' with {local_world_size} processes needs TPU chips "
+            f"(PJRT_DEVICE=TPU); PJRT_DEVICE={os.environ.get('PJRT_DEVICE')!r} runs one process "
+            "only (devices=1)."
+        )
+    # torch_xla's own per-process initializer: the function xmp.spawn / torch_xla.launch run
+    # in each worker (torch_xla 2.9, _internal/pjrt.py). It is private to torch_xla; there is
+    # no public way to set up a process that torch_xla did not start.
+    from torch_xla._internal import pjrt
+
+    pjrt.initialize_multiprocess(local_rank, local_world_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _loader_class() -> type:
+    """Defined on first use: ``scopedlite._dataloader`` imports the join machinery, which the
+    strategy registry must not load at import time."""
+    from scopedlite._dataloader import DeviceDataLoader
+
+    class XLADeviceDataLoader(DeviceDataLoader):
+        """A :class:`DeviceDataLoader` whose batches come through XLA's ``MpDeviceLoader``."""
+
+        def __iter__(self) -> Any:
+            from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+            for sampler in (self.loader.sampler, self.loader.batch_sampler):
+                set_epoch = getattr(sampler, "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(self._epoch)
+            self._epoch += 1
+            yield from MpDeviceLoader(self.loader, self.device)
+
+    return XLADeviceDataLoader

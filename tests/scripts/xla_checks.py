@@ -1,0 +1,168 @@
+"""XLA checks run by tests/test_xla.py under the XLA venv's interpreter, with PJRT_DEVICE=CPU.
+
+Usage: python xla_checks.py MODE OUT_JSON [CHECKPOINT]. Each mode writes what it measured to
+OUT_JSON; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import scopedlite as lite
+
+STEPS = 8
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 4, generator=g)
+    y = (x.sum(dim=1, keepdim=True) > 0).float()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def train(accelerator: str, precision: str = "32-true") -> dict:
+    """The unchanged loop: setup, setup_dataloader, backward, step."""
+    with lite.launch(accelerator=accelerator, precision=precision) as run:
+        model = make_model()
+        model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = lite.setup_dataloader(make_loader())
+        losses = []
+        batch_device = None
+        for _ in range(STEPS // len(loader) + 1):
+            for x, y in loader:
+                batch_device = x.device.type
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x).float(), y)
+                opt.zero_grad()
+                lite.backward(loss)
+                opt.step()
+                losses.append(loss.item())
+        params = {k: v.detach().float().cpu().tolist() for k, v in model.state_dict().items()}
+        return {
+            "strategy": run.strategy.name,
+            "device": str(run.device),
+            "param_device": next(model.parameters()).device.type,
+            "param_dtype": str(next(model.parameters()).dtype),
+            "batch_device": batch_device,
+            "loader_type": type(loader).__name__,
+            "losses": losses,
+            "params": params,
+        }
+
+
+def mode_train() -> dict:
+    # XLA first: torch's autograd engine sizes its per-device queues at its first backward, so
+    # a backward before torch_xla is imported leaves no queue for XLA (see _XLABase.backward).
+    xla = train("tpu")
+    bf16 = train("xla", "bf16-true")
+    return {"cpu": train("cpu"), "xla": xla, "bf16": bf16, "bf16_mixed": autocast_dtypes()}
+
+
+def autocast_dtypes() -> list:
+    """bf16-mixed on XLA: lite.autocast computes in bfloat16, parameters stay float32."""
+    with lite.launch(accelerator="tpu", precision="bf16-mixed") as run:
+        model = lite.setup(torch.nn.Linear(4, 4))
+        x = torch.randn(2, 4, device=run.device)
+        with lite.autocast():
+            inside = model(x).dtype
+        return [str(inside), str(model(x).dtype), str(model.weight.dtype)]
+
+
+def mode_collectives() -> dict:
+    """A world of one under strategy='xla': the front end's collectives, and the strategy's
+    own, which go through XLA's (xm.all_reduce, xm.all_gather, xm.rendezvous)."""
+    with lite.launch(accelerator="tpu", strategy="xla", devices=1) as run:
+        t = torch.tensor([1.0, -2.0, 3.0], device=run.device)
+        s = run.strategy
+        out = {
+            "strategy": s.name,
+            "world_size": run.world_size,
+            "front_sum": lite.all_reduce(t, "sum").cpu().tolist(),
+            "front_gather": lite.all_gather(t).cpu().tolist(),
+            "front_broadcast": lite.broadcast({"a": 3}, src=0),
+            "xla_sum": s.all_reduce(t, "sum").cpu().tolist(),
+            "xla_mean": s.all_reduce(t, "mean").cpu().tolist(),
+            "xla_max": s.all_reduce(t, "max").cpu().tolist(),
+            "xla_min_bool": s.all_reduce(torch.tensor([True, False], device=run.device), "min").cpu().tolist(),
+            "xla_gather": s.all_gather(t).cpu().tolist(),
+            "input_after": t.cpu().tolist(),
+        }
+        s.barrier()
+        lite.barrier()
+        out["barrier"] = True
+        try:
+            with lite.join():
+                pass
+        except RuntimeError as e:
+            out["join_refused"] = str(e)
+        return out
+
+
+def mode_save_load(path: str) -> dict:
+    with lite.launch(accelerator="tpu"):
+        model = lite.setup(make_model())
+        opt = lite.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
+        for x, y in lite.setup_dataloader(make_loader()):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            lite.backward(loss)
+            opt.step()
+        lite.save(path, {"model": model, "opt": opt, "step": 8})
+        saved = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+        fresh = lite.setup(torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+        fresh_opt = lite.setup_optimizers(torch.optim.Adam(fresh.parameters(), lr=0.01))
+        state = {"model": fresh, "opt": fresh_opt, "step": 0}
+        lite.load(path, state)
+        restored = {k: v.detach().cpu() for k, v in fresh.state_dict().items()}
+        opt_state_device = next(iter(fresh_opt.state.values()))["exp_avg"].device.type
+    on_disk = torch.load(path, map_location=None, weights_only=True)
+    return {
+        "max_diff": max((saved[k] - restored[k]).abs().max().item() for k in saved),
+        "step": state["step"],
+        "disk_devices": sorted({v.device.type for v in on_disk["model"].values()}),
+        "disk_opt_devices": sorted(
+            {t.device.type for s in on_disk["opt"]["state"].values() for t in s.values() if isinstance(t, torch.Tensor)}
+        ),
+        "fresh_device": next(fresh.parameters()).device.type,
+        "opt_state_device": opt_state_device,
+    }
+
+
+def mode_backward_before_import() -> dict:
+    """A CPU backward before torch_xla is imported leaves autograd without an XLA queue."""
+    torch.nn.Linear(2, 1)(torch.randn(3, 2)).sum().backward()
+    with lite.launch(accelerator="tpu") as run:
+        model = lite.setup(torch.nn.Linear(2, 1))
+        try:
+            lite.backward(model(torch.randn(3, 2, device=run.device)).sum())
+        except RuntimeError as e:
+            return {"error": str(e)}
+    return {"error": None}
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "train":
+        result = mode_train()
+    elif mode == "collectives":
+        result = mode_collectives()
+    elif mode == "backward_before_import":
+        result = mode_backward_before_import()
+    elif mode == "save_load":
+        result = mode_save_load(sys.argv[3])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
