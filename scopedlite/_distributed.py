@@ -81,6 +81,8 @@ def init_process_group(
     if store is None:
         is_host = world.source != "scopedlite" and rank == 0
         store = dist.TCPStore(world.main_address, world.main_port, size, is_master=is_host, timeout=timeout)
+        if world.source != "scopedlite":
+            _own_store[:] = [(store, rank, size)]
         if world.source == "scopedlite":
             # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
             # died before joining can be noticed, instead of inside torch's blocking rendezvous.
@@ -92,9 +94,32 @@ def ready_key(rank: int) -> str:
     return f"scopedlite/ready/{rank}"
 
 
+# The store rank 0 hosts for a world made by SLURM, MPI & co. (one per process at a time).
+_own_store: list[tuple[Any, int, int]] = []
+
+
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _own_store:
+        _release_store(*_own_store.pop())
+
+
+def _release_store(store: Any, rank: int, size: int, seconds: float = 10.0) -> None:
+    """Tear down a store we host only after every rank has let go of it.
+
+    Rank 0 hosting the store and leaving first would cut the others' connections while they
+    are still closing theirs (seen: an intermittent ``terminate called`` abort under mpirun).
+    """
+    import time
+
+    try:
+        store.add("scopedlite/released", 1)
+        deadline = time.monotonic() + seconds
+        while rank == 0 and store.add("scopedlite/released", 0) < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a peer already gone: nothing left to wait for
+        pass
 
 
 def comm_device(backend: str, device: torch.device) -> torch.device:

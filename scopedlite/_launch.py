@@ -269,6 +269,8 @@ class _Launch(Scope[Run]):
         if self._role == "parent":
             return self._exit_parent(exc)
         try:
+            if exc is None and self._role == "external":
+                self._final_barrier()  # every rank done before the process group goes
             self.run.strategy.stop()
         finally:
             if self._threads is not None:  # an external world's process shared the cores

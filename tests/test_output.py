@@ -81,7 +81,9 @@ def test_prefix_can_be_turned_off(run_python):
     result = run_python("-c", PRINTS.format(launcher="script"), env={"SCOPEDLITE_RANK_PREFIX": "0"})
     assert result.returncode == 0, result.explain()
     assert "[rank" not in result.stdout + result.stderr
-    assert {"hello from 1", "hello from 2"} <= set(_lines(result.stdout))
+    # Without the prefix, workers' lines are not held back either, so they may interleave with
+    # other ranks' output mid-line: look for the text, not for whole lines.
+    assert "hello from 1" in result.stdout and "hello from 2" in result.stdout
 
 
 def test_progress_plain_text_at_each_tenth_when_not_a_terminal():
