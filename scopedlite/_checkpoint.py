@@ -147,6 +147,17 @@ def load(
         raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not the dict lite.save writes.")
     if state is None:
         return checkpoint
+    return restore(run.strategy, path, checkpoint, state, strict)
+
+
+def restore(
+    strategy: Any, path: str | os.PathLike[str], checkpoint: dict[str, Any], state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    """Restore ``state`` in place from a loaded single-file ``checkpoint``; return the rest.
+
+    Modules and optimizers go through the strategy (which knows its wrappers and shards);
+    other entries of ``state`` are replaced by the checkpoint's values.
+    """
     missing = [k for k in state if k not in checkpoint]
     if missing and strict:
         raise KeyError(
@@ -157,9 +168,9 @@ def load(
         if key not in checkpoint:
             continue
         if isinstance(target, torch.nn.Module):
-            run.strategy.load_module_state(target, checkpoint[key], strict)
+            strategy.load_module_state(target, checkpoint[key], strict)
         elif isinstance(target, torch.optim.Optimizer):
-            run.strategy.load_optimizer_state(target, checkpoint[key])
+            strategy.load_optimizer_state(target, checkpoint[key])
         else:
             state[key] = checkpoint[key]
     return {k: v for k, v in checkpoint.items() if k not in state}

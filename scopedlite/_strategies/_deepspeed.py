@@ -33,6 +33,7 @@ import torch
 
 from scopedlite import _distributed
 from scopedlite._strategies._process_group import ProcessGroupCollectives
+from scopedlite._strategies._reroute import reroute_step
 from scopedlite._strategies._base import Rendezvous, Strategy
 
 if TYPE_CHECKING:
@@ -564,35 +565,28 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) ->
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
 
-    Rerouted on the instance (see _scaler.py), so the optimizer keeps its class and LR
+    Rerouted on the instance (see _reroute.py), so the optimizer keeps its class and LR
     schedulers built on it keep working.
     """
-    original_step, original_zero_grad = optimizer.step, optimizer.zero_grad
-    inside_engine = [False]
+    original_zero_grad = optimizer.zero_grad
 
-    def step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
-        if inside_engine[0]:
-            return original_step() if closure is None else original_step(closure)
-        if closure is not None:
-            raise ValueError(
-                "optimizer.step(closure) cannot be used under strategy='deepspeed': the engine "
-                "steps after lite.backward(loss). Call optimizer.step() without a closure."
-            )
-        inside_engine[0] = True
-        try:
-            with _filtered_warnings():
-                engine.step()
-        finally:
-            inside_engine[0] = False
-        return None
+    def engine_step() -> None:
+        with _filtered_warnings():
+            engine.step()
+
+    inside_engine = reroute_step(
+        optimizer,
+        engine_step,
+        "optimizer.step(closure) cannot be used under strategy='deepspeed': the engine steps "
+        "after lite.backward(loss). Call optimizer.step() without a closure.",
+    )
 
     def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         # The engine zeroes its (partitioned) gradients itself after each step it takes; with
         # gradient accumulation a user's zero_grad between micro-batches must not erase them.
-        if inside_engine[0]:
+        if inside_engine():
             original_zero_grad(set_to_none=set_to_none)
 
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer._lite_engine = engine  # type: ignore[attr-defined]
     engine._lite_user_optimizer = optimizer

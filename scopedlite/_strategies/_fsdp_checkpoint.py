@@ -105,27 +105,12 @@ def save_full(strategy: FSDPStrategy, path: Path, state: dict[str, Any]) -> None
 
 def load_file(strategy: FSDPStrategy, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
     """Restore ``state`` from a single-file checkpoint: each rank reads it and keeps its slices."""
-    from scopedlite._checkpoint import CheckpointError, read
+    from scopedlite._checkpoint import CheckpointError, read, restore
 
     checkpoint = read(path, weights_only=True)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not the dict lite.save writes.")
-    missing = [k for k in state if k not in checkpoint]
-    if missing and strict:
-        raise KeyError(
-            f"{path} has no entry {missing}; it holds {sorted(checkpoint)}. Pass strict=False to "
-            "restore only what is there."
-        )
-    for key, target in state.items():
-        if key not in checkpoint:
-            continue
-        if isinstance(target, torch.nn.Module):
-            strategy.load_module_state(target, checkpoint[key], strict)
-        elif isinstance(target, torch.optim.Optimizer):
-            strategy.load_optimizer_state(target, checkpoint[key])
-        else:
-            state[key] = checkpoint[key]
-    return {k: v for k, v in checkpoint.items() if k not in state}
+    return restore(strategy, path, checkpoint, state, strict)
 
 
 def load_sharded(strategy: FSDPStrategy, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:

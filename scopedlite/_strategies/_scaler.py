@@ -3,15 +3,16 @@
 Users keep calling ``optimizer.step()`` on the optimizer ``setup`` returned. When losses are
 scaled, that call must go through ``GradScaler.step`` and be followed by ``update``, so the
 optimizer's ``step`` is rerouted on the instance (not replaced by a wrapper object, so the
-optimizer stays an instance of its own class and LR schedulers keep working).
+optimizer stays an instance of its own class and LR schedulers keep working; see _reroute.py).
 """
 
 from __future__ import annotations
 
-import types
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from scopedlite._strategies._reroute import reroute_step
 
 if TYPE_CHECKING:
     from scopedlite._run import Run
@@ -42,25 +43,17 @@ class GradientScaling:
         if self.scaler is None:
             return optimizer
         scaler = self.scaler
-        original_step = optimizer.step
-        inside_scaler = [False]  # GradScaler.step calls optimizer.step: that call is the real one
 
-        def step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
-            if inside_scaler[0]:
-                return original_step() if closure is None else original_step(closure)
-            if closure is not None:
-                raise ValueError(
-                    "optimizer.step(closure) cannot be used with precision='16-mixed': the "
-                    "loss scaler must see the gradients before the step. Call "
-                    "lite.backward(loss) and then optimizer.step() without a closure."
-                )
-            inside_scaler[0] = True
-            try:
-                result = scaler.step(opt)
-            finally:
-                inside_scaler[0] = False
+        def scaled_step() -> Any:
+            result = scaler.step(optimizer)  # unscales, skips on inf/nan, calls the real step
             scaler.update()
             return result
 
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        reroute_step(
+            optimizer,
+            scaled_step,
+            "optimizer.step(closure) cannot be used with precision='16-mixed': the loss scaler "
+            "must see the gradients before the step. Call lite.backward(loss) and then "
+            "optimizer.step() without a closure.",
+        )
         return optimizer

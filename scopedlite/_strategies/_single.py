@@ -13,10 +13,30 @@ from scopedlite._strategies._scaler import GradientScaling
 if TYPE_CHECKING:
     from scopedlite._run import Run
 
-__all__ = ["SingleDeviceStrategy"]
+__all__ = ["OneProcessCollectives", "SingleDeviceStrategy"]
 
 
-class SingleDeviceStrategy(Strategy):
+class OneProcessCollectives:
+    """Collectives of a one-process strategy: the identity.
+
+    The front end never calls these (it answers for one process itself); they exist so the
+    strategy fulfils the interface.
+    """
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(0)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+
+class SingleDeviceStrategy(OneProcessCollectives, Strategy):
     """Everything on one device in one process. Collectives return their input."""
 
     name: ClassVar[str] = "single"
@@ -54,16 +74,3 @@ class SingleDeviceStrategy(Strategy):
         from scopedlite._join_session import NoJoin
 
         return NoJoin()
-
-    # One process: collectives are the identity (the front end never calls these).
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unsqueeze(0)
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        return obj
-
-    def barrier(self) -> None:
-        return None

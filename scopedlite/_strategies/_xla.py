@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Mapping
 
 import torch
 
+from scopedlite._strategies._single import OneProcessCollectives
 from scopedlite._strategies._base import ReduceOp, Rendezvous, Strategy
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ def _sync() -> None:
         _xm().mark_step()
 
 
-class _XLABase(Strategy):
+class _XLABase(OneProcessCollectives, Strategy):
     """What both XLA strategies share: placement, the optimizer step, the loader, checkpoints.
 
     Training code stays unchanged: ``optimizer.step()`` on the optimizer ``setup`` returned
@@ -255,19 +256,6 @@ class _XLABase(Strategy):
         """Feed batches through XLA's parallel device loader (``MpDeviceLoader``), which
         copies the next batches to the device in background threads."""
         return _loader_class()(loader, self.run.device)
-
-    # -- collectives: one process, the identity (the front end never calls these) --------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unsqueeze(0)
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        return obj
-
-    def barrier(self) -> None:
-        return None
 
     # -- checkpoints: xm.save semantics, tensors moved to CPU (rank 0 writes: lite.save) --
     def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
