@@ -10,96 +10,20 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from scopedlite._environments import World, detect_world
-from scopedlite._precision import Precision, precision_for
-from scopedlite._strategies import STRATEGIES, Strategy
+from scopedlite._cluster.environments import World, detect_world
+from scopedlite._core.precision import Precision, precision_for
+from scopedlite._hardware.machine import Machine
+from scopedlite._strategies.base import Strategy
+from scopedlite._strategies.registry import STRATEGIES
 
-__all__ = ["ACCELERATORS", "LAUNCHERS", "Machine", "Plan", "resolve"]
+__all__ = ["ACCELERATORS", "LAUNCHERS", "Plan", "resolve"]
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
 LAUNCHERS = ("auto", "script", "fork")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the resolver needs to know about this machine and this process.
-
-    Attributes:
-        cuda_device_count: Number of visible CUDA devices.
-        mps_available: Whether Apple's MPS backend is usable.
-        cpu_count: CPU cores available to this process.
-        cuda_initialized: Whether this process already created a CUDA context (fork unsafe).
-        has_script: Whether there is a command line to re-execute (False in notebooks,
-            REPLs, scripts read from stdin, and under pytest, whose command line would start
-            the test session again).
-        launched_before: Whether this process already ran a multi-process launch block:
-            re-executed workers would run that block again, so a later block must fork.
-        xla_device_count: XLA devices a launch may use (TPU chips, or 1 XLA:CPU device with
-            ``PJRT_DEVICE=CPU``), found without starting the XLA runtime or asking the TPU
-            metadata server.
-        xla_problem: Why torch_xla cannot be used (missing, or built for another torch), or
-            None.
-    """
-
-    cuda_device_count: int = 0
-    mps_available: bool = False
-    cpu_count: int = 1
-    cuda_initialized: bool = False
-    has_script: bool = True
-    launched_before: bool = False
-    xla_device_count: int = 0
-    xla_problem: str | None = None
-
-    @classmethod
-    def probe(cls, launched_before: bool = False) -> Machine:
-        import torch
-
-        from scopedlite._strategies._xla import xla_device_count, xla_import_problem
-
-        xla_problem = xla_import_problem()
-        # is_available / device_count do not create a CUDA context, so probing keeps fork safe.
-        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return cls(
-            cuda_device_count=cuda_count,
-            mps_available=bool(torch.backends.mps.is_available()),
-            cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
-            cuda_initialized=bool(torch.cuda.is_initialized()),
-            has_script=_has_script(),
-            launched_before=launched_before,
-            xla_device_count=xla_device_count(os.environ, installed=xla_problem is None),
-            xla_problem=xla_problem,
-        )
-
-
-def _has_script() -> bool:
-    """Whether re-executing ``sys.orig_argv`` would run this program again."""
-    if "PYTEST_CURRENT_TEST" in os.environ:
-        return False
-    main = sys.modules.get("__main__")
-    if main is None or hasattr(sys, "ps1") or sys.flags.interactive:
-        return False
-    if "ipykernel" in sys.modules or "IPython" in sys.modules and _in_ipython():
-        return False
-    argv = getattr(sys, "orig_argv", None)
-    if not argv:
-        return False
-    if "-c" in argv or "-m" in argv:
-        return True
-    main_file = getattr(main, "__file__", None)
-    return main_file is not None and os.path.exists(main_file)
-
-
-def _in_ipython() -> bool:
-    try:
-        from IPython import get_ipython  # type: ignore[attr-defined]
-    except ImportError:
-        return False
-    return get_ipython() is not None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    from scopedlite._scope import open_scopes
+    from scopedlite._core.scope import open_scopes
 
     env_before = dict(os.environ)
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}

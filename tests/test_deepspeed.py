@@ -33,7 +33,7 @@ def _max_diff(a, b) -> float:
 
 # -- configuration: no processes, no deepspeed needed -------------------------------------
 def test_names_are_registered_and_deepspeed_is_imported_lazily(run_python):
-    from scopedlite._strategies import STRATEGIES
+    from scopedlite._strategies.registry import STRATEGIES
 
     expected = {
         "deepspeed": (2, False, False),

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from scopedlite._environments import World, derived_port, detect_world
-from scopedlite._hostlist import expand_hostlist, expand_tasks_per_node
-from scopedlite._plan import Machine, resolve
+from scopedlite._cluster.environments import World, derived_port, detect_world
+from scopedlite._cluster.hostlist import expand_hostlist, expand_tasks_per_node
+from scopedlite._hardware.machine import Machine
+from scopedlite._plan import resolve
 
 # What `srun -N3 -n7` sets for task 4 (node 1 of "node[01-03]"), abridged to what matters.
 SRUN = {

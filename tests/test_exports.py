@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import scopedlite
 
 
 def test_every_public_name_resolves_to_its_private_module():
-    assert sorted(scopedlite.__all__) == sorted(scopedlite._EXPORTS)
-    for name, module in scopedlite._EXPORTS.items():
+    stub = ast.parse((Path(scopedlite.__file__).parent / "__init__.pyi").read_text())
+    listed = [a.asname for node in stub.body if isinstance(node, ast.ImportFrom) for a in node.names]
+    assert all(a.asname == a.name for node in stub.body if isinstance(node, ast.ImportFrom) for a in node.names)
+    assert len(listed) == len(set(listed)), "a public name is listed twice"
+    assert sorted(scopedlite.__all__) == sorted(listed)
+    for name, module in scopedlite._MODULE_OF.items():
         value = getattr(scopedlite, name)
         assert value.__module__.startswith(module), (name, value.__module__, module)
-        assert all(part.startswith("_") for part in value.__module__.split(".")[1:]), name
+        assert value.__module__.split(".")[1].startswith("_"), name
+
+
+def test_dir_shows_each_public_name_once_and_nothing_else():
+    shown = dir(scopedlite)
+    assert sorted(shown) == sorted(scopedlite.__all__)
+    assert len(shown) == len(set(shown))
+    for name in scopedlite.__all__:  # resolving names does not add others to dir()
+        getattr(scopedlite, name)
+    assert sorted(dir(scopedlite)) == sorted(scopedlite.__all__)
 
 
 def test_spec_names_exist():

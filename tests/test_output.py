@@ -7,8 +7,8 @@ import io
 import pytest
 
 import scopedlite as lite
-from scopedlite._output import RankPrefixed, prefix_enabled
-from scopedlite._progress import format_progress
+from scopedlite._api.progress import format_progress
+from scopedlite._launch.output import RankPrefixed, prefix_enabled
 
 PRINTS = """
 import sys, scopedlite as lite

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scopedlite as lite
-from scopedlite._plan import ACCELERATORS, LAUNCHERS, Machine, resolve
+from scopedlite._hardware.machine import Machine
+from scopedlite._plan import ACCELERATORS, LAUNCHERS, resolve
 
 CPU = Machine(cpu_count=4)
 GPU4 = Machine(cuda_device_count=4, cpu_count=16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import scopedlite as lite
-from scopedlite._scope import open_scopes
+from scopedlite._core.scope import open_scopes
 
 
 def test_default_run_outside_launch():

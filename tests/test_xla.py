@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 
 import scopedlite as lite
-from scopedlite._plan import Machine, resolve
-from scopedlite._strategies._xla import (
+from scopedlite._hardware.machine import Machine
+from scopedlite._hardware.xla import (
     TORCH_FOR_XLA,
-    XLAStrategy,
     _tpu_chips,
     xla_device_count,
     xla_import_problem,
 )
+from scopedlite._plan import resolve
+from scopedlite._strategies.xla.strategy import XLAStrategy
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "xla_checks.py"
 REPO = Path(__file__).resolve().parent.parent
@@ -157,7 +158,7 @@ def test_mismatched_torch_is_named(monkeypatch):
     import importlib.metadata
     import importlib.util
 
-    from scopedlite._strategies import _xla
+    from scopedlite._hardware import xla as _xla
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "torch_xla" else None)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.9.0")

@@ -9,15 +9,15 @@ With ``accumulate`` the engine accumulates 2 micro-batches of batch_size / 2 per
 import sys
 
 import torch
+from _common import make_data, make_model, write
 
 import scopedlite as lite
-from _common import make_data, make_model, write
 
 strategy, n, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 precision = sys.argv[4] if len(sys.argv) > 4 else "32-true"
 accumulate = len(sys.argv) > 5 and sys.argv[5] == "accumulate"
 if accumulate:
-    from scopedlite._strategies import STRATEGIES
+    from scopedlite._strategies.registry import STRATEGIES
 
     named = STRATEGIES[strategy]()
     strategy = lite.DeepSpeedStrategy(

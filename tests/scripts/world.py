@@ -7,10 +7,10 @@ import os
 
 import psutil
 import torch
+from _common import write
 
 import scopedlite as lite
-from _common import write
-from scopedlite._environments import detect_world
+from scopedlite._cluster.environments import detect_world
 
 world = detect_world(os.environ)
 with lite.launch(accelerator="cpu", timeout=60) as run:

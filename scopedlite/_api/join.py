@@ -1,0 +1,89 @@
+"""``lite.join``: ranks may run out of data at different times without hanging.
+
+The scope asks the run's strategy for a join session (see scopedlite._strategies.join_session). While
+it is open, the distributed sampler of ``setup_dataloader`` stops padding, and our
+collectives route through the session so they stay correct on the ranks still active.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from scopedlite._api.current import current
+from scopedlite._core.run import Run
+from scopedlite._core.scope import ScopeError, WrapperScope
+from scopedlite._strategies.abilities import SupportsJoin
+from scopedlite._strategies.registry import names_supporting
+
+__all__ = ["active_session", "in_join", "join"]
+
+_join_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.join", default=None)
+
+
+class _JoinScope(WrapperScope[None]):
+    _var = _join_var
+
+    def __init__(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> None:
+        if not isinstance(divide_by_initial_world_size, bool):
+            raise TypeError(
+                "divide_by_initial_world_size must be True or False, got "
+                f"{divide_by_initial_world_size!r}."
+            )
+        self.joinables = joinables
+        self.divide = divide_by_initial_world_size
+
+    def describe(self) -> str:
+        return "lite.join(...)"
+
+    def _inner_context(self) -> tuple[Any, None]:
+        if _join_var.get() is not None:
+            raise ScopeError(
+                "lite.join is already open in this context; join blocks do not nest. Put "
+                "every model of the loop in one `with lite.join(model_a, model_b):`."
+            )
+        run = current()
+        strategy = run.strategy
+        if not isinstance(strategy, SupportsJoin):
+            supported = names_supporting(SupportsJoin)
+            raise RuntimeError(
+                f"lite.join is not available under strategy={strategy.name!r}. Strategies "
+                f"that support it: {', '.join(repr(s) for s in supported)}."
+            )
+        self.run: Run = run
+        # The scope stays registered while the session finishes, so collectives issued by
+        # joinable hooks route correctly; the session lets exceptions through untouched.
+        self.session = strategy.join(self.joinables, self.divide)
+        return self.session, None
+
+
+def join(*joinables: Any, divide_by_initial_world_size: bool = True) -> _JoinScope:
+    """Let ranks iterate over different numbers of batches: ``with lite.join(model):``.
+
+    Under DDP this is torch's join protocol for the given models (all models set up in the
+    run when none are given), extended so that ``lite.all_reduce`` & co. stay correct after
+    some ranks ran out of data: a reduction covers exactly the ranks still active (a mean
+    divides by their count), ``all_gather`` returns the rows of the active ranks only, in
+    rank order, and ``barrier``/``broadcast`` complete. The distributed sampler of
+    ``setup_dataloader`` neither pads nor drops inside the block, so every sample is seen
+    exactly once. On one device it does nothing.
+
+    Args:
+        *joinables: Models returned by ``lite.setup`` (or other torch ``Joinable`` objects).
+        divide_by_initial_world_size: Average gradients over all ranks (True: joined ranks
+            count as contributing zero) or over the ranks still active (False).
+    """
+    return _JoinScope(joinables, divide_by_initial_world_size)
+
+
+def active_session(run: Run) -> Any:
+    """The join session of ``run`` open in this context, or None."""
+    scope = _join_var.get()
+    if scope is not None and scope.run is run:
+        return scope.session
+    return None
+
+
+def in_join() -> bool:
+    """Whether a ``lite.join`` block is open in the current context."""
+    return _join_var.get() is not None

@@ -1,0 +1,103 @@
+"""Setting up modules and optimizers, and the per-step functions that go through the strategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from scopedlite._api.current import current
+from scopedlite._core.structures import map_tensors
+from scopedlite._strategies.abilities import SupportsJointSetup
+
+__all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
+
+
+def setup_module(module: torch.nn.Module) -> torch.nn.Module:
+    """Move ``module`` to the run's device and precision and wrap it for the strategy
+    (``DistributedDataParallel`` under DDP). Returns the module to train with."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"setup_module takes a torch.nn.Module, got {type(module).__name__}.")
+    run = current()
+    return _cast_inputs(run.strategy.setup_module(module))
+
+
+def _cast_inputs(prepared: torch.nn.Module) -> torch.nn.Module:
+    """Cast the inputs of a set-up model to the parameter dtype ("-true" precisions)."""
+    precision = current().precision
+    if precision.param_dtype is not None:
+
+        def cast_inputs(_: Any, args: Any, kwargs: Any) -> Any:
+            return precision.convert_input(args), precision.convert_input(kwargs)
+
+        prepared.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    return prepared
+
+
+def setup_optimizers(*optimizers: torch.optim.Optimizer) -> Any:
+    """Prepare optimizers for the run. Returns one optimizer, or a tuple for several."""
+    if not optimizers:
+        raise TypeError("setup_optimizers needs at least one optimizer.")
+    strategy = current().strategy
+    prepared = []
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"setup_optimizers takes torch optimizers, got {type(optimizer).__name__}.")
+        prepared.append(strategy.setup_optimizer(optimizer))
+    return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+    """Set up a model and its optimizers: ``model, opt = lite.setup(model, opt)``.
+
+    Returns the model alone when no optimizer is given, else ``(model, opt1, ...)``.
+    """
+    strategy = current().strategy
+    if optimizers and isinstance(strategy, SupportsJointSetup):
+        # Backends that build one object from model and optimizer (a DeepSpeed engine).
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"setup takes a torch.nn.Module, got {type(module).__name__}.")
+        for optimizer in optimizers:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"setup takes torch optimizers, got {type(optimizer).__name__}.")
+        engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
+        return (_cast_inputs(engine), *prepared_opts)
+    prepared = setup_module(module)
+    if not optimizers:
+        return prepared
+    opts = setup_optimizers(*optimizers)
+    return (prepared, *(opts if isinstance(opts, tuple) else (opts,)))
+
+
+def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """``loss.backward()`` the way the strategy needs it (loss scaling, engines)."""
+    current().strategy.backward(loss, *args, **kwargs)
+
+
+def clip_gradients(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float | None = None,
+    clip_val: float | None = None,
+) -> torch.Tensor | None:
+    """Clip gradients by total norm (``max_norm``) or by value (``clip_val``), not both.
+
+    Returns the total norm before clipping when clipping by norm.
+    """
+    if (max_norm is None) == (clip_val is None):
+        raise ValueError(
+            f"clip_gradients needs exactly one of max_norm or clip_val, got max_norm={max_norm!r}, "
+            f"clip_val={clip_val!r}."
+        )
+    for name, value in (("max_norm", max_norm), ("clip_val", clip_val)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name}={value!r} is not valid: it must be a positive number.")
+    return current().strategy.clip_gradients(module, optimizer, max_norm, clip_val)
+
+
+def to_device(obj: Any) -> Any:
+    """Move every tensor in ``obj`` (nested lists/tuples/dicts too) to the run's device."""
+    device = current().device
+    if isinstance(obj, torch.nn.Module):
+        return obj.to(device)
+    return map_tensors(obj, lambda t: t.to(device))

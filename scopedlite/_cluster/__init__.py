@@ -1,0 +1,2 @@
+"""Cluster environments: which world a process belongs to (torchrun, SLURM, MPI, LSF,
+Kubeflow, our own workers), read from a mapping of environment variables."""

@@ -1,0 +1,331 @@
+"""Cluster environments: worlds that already exist when ``launch`` is called.
+
+When a process was started by torchrun, srun (SLURM), mpirun (Open MPI, MPICH, Intel MPI),
+jsrun (LSF), a Kubeflow PyTorchJob, or is a worker that our own launcher re-executed, the
+world is already there: ``launch`` spawns nothing and joins it. Each environment is one
+small detector that reads a mapping of environment variables and returns a :class:`World`
+or None. Detection is pure (it reads the mapping it is given, never ``os.environ``), so the
+resolver stays a pure function and tests pass plain dicts.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from scopedlite._cluster.hostlist import expand_hostlist, expand_tasks_per_node
+
+__all__ = ["DETECTORS", "ENV", "World", "derived_port", "detect_world"]
+
+
+class ENV:
+    """Names of the variables our launcher hands to the workers it starts."""
+
+    TOKEN = "SCOPEDLITE_LAUNCH_TOKEN"  # identifies the launch that started this worker
+    SITE = "SCOPEDLITE_LAUNCH_SITE"  # file:line of that launch, checked by the worker
+    ERROR_FILE = "SCOPEDLITE_ERROR_FILE"  # where a failing worker writes its traceback
+    PARENT_PID = "SCOPEDLITE_PARENT_PID"
+
+
+@dataclass(frozen=True)
+class World:
+    """An existing world this process is a member of.
+
+    Attributes:
+        source: Who made it: ``"scopedlite"`` (a worker of ours), ``"torchelastic"``,
+            ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"lsf"`` or ``"kubeflow"``.
+        global_rank, local_rank, node_rank, world_size, local_world_size: As in torchrun.
+        main_address, main_port: Where rank 0's rendezvous store listens.
+        num_nodes: Number of nodes when the environment says so (SLURM may place different
+            numbers of tasks on different nodes); 0 when it is world_size // local_world_size.
+    """
+
+    source: str
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    main_address: str
+    main_port: int
+    num_nodes: int = 0
+
+
+def _int(env: Mapping[str, str], name: str, source: str) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise ValueError(
+            f"The {source} environment is incomplete: the variable {name} is not set. "
+            f"Variables present: {sorted(k for k in env if k.isupper())[:40]}."
+        )
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"The {source} environment has {name}={raw!r}, not an integer.") from e
+
+
+def _standard_world(env: Mapping[str, str], source: str) -> World:
+    world_size = _int(env, "WORLD_SIZE", source)
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    return World(
+        source=source,
+        global_rank=_int(env, "RANK", source),
+        local_rank=_int(env, "LOCAL_RANK", source),
+        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        main_address=env.get("MASTER_ADDR", "127.0.0.1"),
+        main_port=_int(env, "MASTER_PORT", source),
+    )
+
+
+def _ours(env: Mapping[str, str]) -> World | None:
+    if ENV.TOKEN not in env:
+        return None
+    return _standard_world(env, "scopedlite")
+
+
+def _torchelastic(env: Mapping[str, str]) -> World | None:
+    # torchrun always sets TORCHELASTIC_RUN_ID; RANK alone could be anything.
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    return _standard_world(env, "torchelastic")
+
+
+def derived_port(job_id: str) -> int:
+    """A port every rank of one job computes alike, from an id they all share.
+
+    Numeric ids map to 15000 + id mod 20000 (consecutive jobs get different ports); other
+    ids are hashed with CRC-32, which, unlike ``hash()``, is the same in every process.
+    """
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return 15000 + number % 20000
+
+
+def _port(env: Mapping[str, str], source: str, job_ids: tuple[str, ...]) -> int:
+    if "MASTER_PORT" in env:
+        return _int(env, "MASTER_PORT", source)
+    for name in job_ids:
+        if env.get(name):
+            return derived_port(env[name])
+    raise ValueError(
+        f"The {source} world gives no port for rank 0's rendezvous and no job id to derive "
+        f"one from (looked for {', '.join(job_ids)}). Export one before starting the job, "
+        "e.g. `export MASTER_PORT=29500`."
+    )
+
+
+def _mpi_address(env: Mapping[str, str], source: str, world_size: int, local_world_size: int) -> str:
+    if env.get("MASTER_ADDR"):
+        return env["MASTER_ADDR"]
+    if local_world_size == world_size:
+        return "127.0.0.1"  # every rank is on this node
+    raise ValueError(
+        f"The {source} world spans several nodes ({world_size} ranks, {local_world_size} on "
+        "this node) but does not say where rank 0 runs. Export the address of rank 0's node "
+        "and a free port to every rank, e.g. `mpirun -x MASTER_ADDR=$(hostname) -x "
+        "MASTER_PORT=29500 ...`."
+    )
+
+
+def _check_ranks(world: World) -> World:
+    problems = []
+    if not 0 <= world.global_rank < world.world_size:
+        problems.append(f"global rank {world.global_rank} is outside 0..{world.world_size - 1}")
+    if not 0 <= world.local_rank < world.local_world_size:
+        problems.append(f"local rank {world.local_rank} is outside 0..{world.local_world_size - 1}")
+    if world.local_world_size > world.world_size:
+        problems.append(f"{world.local_world_size} ranks on this node but {world.world_size} in all")
+    if problems:
+        raise ValueError(f"The {world.source} environment is inconsistent: {'; '.join(problems)}.")
+    return world
+
+
+# Several MPI implementations also export a job id; SLURM's and LSF's cover mpirun inside
+# an allocation. Used only to derive a port when MASTER_PORT is not set.
+_MPI_JOB_IDS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID")
+
+
+def _mpi_world(env: Mapping[str, str], source: str, names: tuple[str, str, str, str]) -> World | None:
+    rank_name, size_name, local_rank_name, local_size_name = names
+    if not all(name in env for name in names):
+        return None
+    world_size, local_world_size = _int(env, size_name, source), _int(env, local_size_name, source)
+    global_rank = _int(env, rank_name, source)
+    return _check_ranks(
+        World(
+            source=source,
+            global_rank=global_rank,
+            local_rank=_int(env, local_rank_name, source),
+            # Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank *on* the node across jobs, not
+            # the node's index: derive it from mpirun's default by-slot placement instead.
+            node_rank=global_rank // max(1, local_world_size),
+            world_size=world_size,
+            local_world_size=local_world_size,
+            main_address=_mpi_address(env, source, world_size, local_world_size),
+            main_port=_port(env, source, _MPI_JOB_IDS),
+        )
+    )
+
+
+def _openmpi(env: Mapping[str, str]) -> World | None:
+    names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+    return _mpi_world(env, "openmpi", names)
+
+
+def _mpich(env: Mapping[str, str]) -> World | None:
+    # MPICH's and Intel MPI's Hydra. srun's PMI-2 also sets PMI_RANK/PMI_SIZE, but not the
+    # local pair: such a process is left to the SLURM detector.
+    return _mpi_world(env, "mpich", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+
+
+def _slurm(env: Mapping[str, str]) -> World | None:
+    # Only a job *step* (srun) is a world. Inside an sbatch script before srun, SLURM_PROCID
+    # and SLURM_NTASKS are already set, but no process but this one exists: joining would
+    # wait forever for the others. SLURM_STEP_NUM_TASKS is set by srun only.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return None
+    source = "slurm"
+    world_size = _int(env, "SLURM_STEP_NUM_TASKS", source)
+    node_rank = _int(env, "SLURM_NODEID", source)
+    per_node_text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node_text is None:
+        raise ValueError("The slurm environment is incomplete: SLURM_STEP_TASKS_PER_NODE is not set.")
+    per_node = expand_tasks_per_node(per_node_text)
+    if not 0 <= node_rank < len(per_node) or sum(per_node) != world_size:
+        raise ValueError(
+            f"The slurm environment is inconsistent: SLURM_STEP_TASKS_PER_NODE={per_node_text!r} "
+            f"does not describe {world_size} tasks with this one on node {node_rank}."
+        )
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if env.get("MASTER_ADDR"):
+        address = env["MASTER_ADDR"]
+    elif nodelist:
+        address = expand_hostlist(nodelist)[0]
+    else:
+        raise ValueError("The slurm environment is incomplete: SLURM_STEP_NODELIST is not set.")
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT", source)
+    else:
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job:
+            raise ValueError("The slurm environment is incomplete: SLURM_JOB_ID is not set.")
+        # Steps of one job may run at the same time: each gets its own port.
+        step = env.get("SLURM_STEP_ID", "")
+        port = derived_port(job if not step else f"{job}.{step}")
+    return _check_ranks(
+        World(
+            source=source,
+            global_rank=_int(env, "SLURM_PROCID", source),
+            local_rank=_int(env, "SLURM_LOCALID", source),
+            node_rank=node_rank,
+            world_size=world_size,
+            local_world_size=per_node[node_rank],
+            main_address=address,
+            main_port=port,
+            num_nodes=len(per_node),
+        )
+    )
+
+
+def _lsf(env: Mapping[str, str]) -> World | None:
+    names = ("LSB_JOBID", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_RANK")
+    if not all(name in env for name in names):
+        return None
+    source = "lsf"
+    world_size, global_rank = _int(env, "JSM_NAMESPACE_SIZE", source), _int(env, "JSM_NAMESPACE_RANK", source)
+    # LSB_MCPU_HOSTS is "host ncpus host ncpus ...". On jsrun (CSM) systems the first host is
+    # the launch node, which runs no task, so it is skipped when compute hosts follow.
+    fields = env.get("LSB_MCPU_HOSTS", "").split()
+    hosts = fields[0::2]
+    if len(hosts) > 1:
+        hosts = hosts[1:]
+    if "JSM_NAMESPACE_LOCAL_SIZE" in env:
+        local_world_size = _int(env, "JSM_NAMESPACE_LOCAL_SIZE", source)
+    elif "OMPI_COMM_WORLD_LOCAL_SIZE" in env:
+        local_world_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", source)
+    elif hosts and world_size % len(hosts) == 0:
+        local_world_size = world_size // len(hosts)
+    else:
+        raise ValueError(
+            f"The lsf environment does not say how many of its {world_size} ranks run on this "
+            f"node (no JSM_NAMESPACE_LOCAL_SIZE, and LSB_MCPU_HOSTS={env.get('LSB_MCPU_HOSTS')!r} "
+            "does not divide them evenly). Run one jsrun resource set per node with equal "
+            "task counts."
+        )
+    if env.get("MASTER_ADDR"):
+        address = env["MASTER_ADDR"]
+    elif hosts:
+        address = hosts[0]
+    else:
+        address = _mpi_address(env, source, world_size, local_world_size)
+    return _check_ranks(
+        World(
+            source=source,
+            global_rank=global_rank,
+            local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", source),
+            node_rank=global_rank // max(1, local_world_size),
+            world_size=world_size,
+            local_world_size=local_world_size,
+            main_address=address,
+            main_port=_port(env, source, ("LSB_JOBID",)),
+        )
+    )
+
+
+def _kubeflow(env: Mapping[str, str]) -> World | None:
+    # A PyTorchJob pod: the operator sets the torch variables, one process per pod, and no
+    # LOCAL_RANK. (With nprocPerNode it runs torchrun, which the torchelastic detector sees.)
+    names = ("KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+    if not all(name in env for name in names):
+        return None
+    source = "kubeflow"
+    rank = _int(env, "RANK", source)
+    return _check_ranks(
+        World(
+            source=source,
+            global_rank=rank,
+            local_rank=0,
+            node_rank=rank,
+            world_size=_int(env, "WORLD_SIZE", source),
+            local_world_size=1,
+            main_address=env["MASTER_ADDR"],
+            main_port=_int(env, "MASTER_PORT", source),
+        )
+    )
+
+
+# Checked in order; the first that recognises the environment wins. Our own marker comes
+# first: a worker of ours started under torchrun is ours. torchrun comes next, so torchrun
+# started by srun or mpirun is torchrun's world. MPI comes before SLURM: mpirun inside an
+# allocation starts its ranks through srun, one daemon per node, and they inherit that
+# step's SLURM_* variables (rank = node index), which describe the daemons, not the ranks.
+DETECTORS: tuple[Callable[[Mapping[str, str]], World | None], ...] = (
+    _ours,
+    _torchelastic,
+    _openmpi,
+    _mpich,
+    _lsf,
+    _slurm,
+    _kubeflow,
+)
+
+
+def detect_world(env: Mapping[str, str]) -> World | None:
+    """Return the world this environment describes, or None outside any.
+
+    Raises:
+        ValueError: The environment names a world but is incomplete or inconsistent, or it
+            spans nodes without saying where rank 0 is: better now than a hang later.
+    """
+    for detect in DETECTORS:
+        world = detect(env)
+        if world is not None:
+            if world.world_size == 1 and world.source not in _ALWAYS_JOINED:
+                return None  # `srun -n1`, `mpirun -n1`: nothing to join; launch may start ranks
+            return world
+    return None
+
+
+_ALWAYS_JOINED = ("scopedlite", "torchelastic")

@@ -1,0 +1,76 @@
+"""Desync detection: with ``SCOPEDLITE_DEBUG=1``, every collective of ours first checks that
+all ranks are calling the same one.
+
+A rank that calls a different collective, or the same one with another shape or dtype, makes
+gloo abort the process (SIGABRT) or makes the ranks wait until the timeout. In debug mode each
+collective is preceded by an exchange of short descriptions (operation, shape, dtype, and the
+user's file:line); on a mismatch every rank raises :class:`CollectiveMismatchError` listing what
+each rank called and where. It costs two small extra collectives per call, so it is off by
+default.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["CollectiveMismatchError", "check_same_collective", "debug_enabled"]
+
+# The scopedlite package folder (this file is in scopedlite/_comm/).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks called different collectives (or shapes/dtypes) at the same point."""
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("SCOPEDLITE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def call_site() -> str:
+    """The first frame outside scopedlite: the user's line that called the collective."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def describe(kind: str, tensor: torch.Tensor | None = None, op: str | None = None, src: int | None = None) -> str:
+    parts = []
+    if op is not None:
+        parts.append(f"op={op!r}")
+    if src is not None:
+        parts.append(f"src={src}")
+    if tensor is not None:
+        parts.append(f"shape={tuple(tensor.shape)}, dtype={tensor.dtype}")
+    return f"{kind}({', '.join(parts)})"
+
+
+def check_same_collective(target: Any, rank: int, device: torch.device, what: str) -> None:
+    """Raise on every rank if the ranks' descriptions ``what`` differ.
+
+    ``target`` is the strategy or join session whose ``all_gather`` carries the exchange
+    (inside ``lite.join`` only the active ranks take part, which is what must agree).
+    """
+    site = call_site()
+    data = f"{what}\x00{site}".encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = target.all_gather(length).flatten().tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = target.all_gather(padded)
+    entries = [bytes(row[:n].tolist()).decode().split("\x00") for row, n in zip(rows.cpu(), lengths)]
+    if len({e[0] for e in entries}) > 1:
+        table = "\n".join(f"  rank {r}: {e[0]} at {e[1]}" for r, e in enumerate(entries))
+        raise CollectiveMismatchError(
+            "The ranks called different collectives at the same point (caught by "
+            f"SCOPEDLITE_DEBUG=1 before torch.distributed could abort):\n{table}\n"
+            "Every rank must call the same collectives, with the same shapes and dtypes, "
+            "in the same order."
+        )

@@ -1,0 +1,173 @@
+"""torch.distributed plumbing shared by the multi-process strategies.
+
+Process-group creation and teardown (with the rendezvous store), and the four collectives on
+plain tensors: reductions that return a
+new tensor (the input is never modified), gathers stacked on a new leading dimension, and a
+broadcast that needs nothing of the receivers (they may pass None) because the source first
+sends a small header describing what follows. Objects travel as pickled bytes rather than
+through ``broadcast_object_list``, which needs numpy on the receiving ranks in torch 2.13.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedlite._cluster.environments import World
+from scopedlite._comm.wire import (
+    DTYPES,
+    MAX_DIMS,
+    TORCH_OPS,
+    from_bytes,
+    to_bytes,
+    wire_dtype,
+)
+
+__all__ = [
+    "all_gather_tensor",
+    "all_reduce_tensor",
+    "barrier",
+    "broadcast_any",
+    "init_process_group",
+]
+
+
+
+def init_process_group(
+    backend: str,
+    world: World,
+    *,
+    timeout: datetime.timedelta,
+    store: Any = None,
+    device: torch.device | None = None,
+) -> None:
+    """Create the default process group of ``world``.
+
+    - ``store`` given: rank 0 of a world our launcher started, which hosts the store.
+    - a torchelastic world: torch reads torchrun's environment (``env://``, agent store).
+    - a worker of ours: a client of rank 0's store, announcing itself with a key.
+    - any other world (SLURM, MPI, ...): rank 0 hosts a store at the world's main address.
+
+    No environment variable is written: a launch leaves ``os.environ`` as it found it.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "A torch.distributed process group already exists in this process. scopedlite "
+            "creates and destroys its own: call torch.distributed.destroy_process_group() "
+            "before lite.launch(...), or let the launch make it."
+        )
+    kwargs: dict[str, Any] = {}
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
+    rank, size = world.global_rank, world.world_size
+    if store is None and world.source == "torchelastic":
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kwargs)
+        return
+    if store is None:
+        is_host = world.source != "scopedlite" and rank == 0
+        store = dist.TCPStore(world.main_address, world.main_port, size, is_master=is_host, timeout=timeout)
+        if world.source != "scopedlite":
+            _own_store[:] = [(store, rank, size)]
+        if world.source == "scopedlite":
+            # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
+            # died before joining can be noticed, instead of inside torch's blocking rendezvous.
+            store.set(ready_key(rank), "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
+
+
+def ready_key(rank: int) -> str:
+    return f"scopedlite/ready/{rank}"
+
+
+# The store rank 0 hosts for a world made by SLURM, MPI & co. (one per process at a time).
+_own_store: list[tuple[Any, int, int]] = []
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _own_store:
+        _release_store(*_own_store.pop())
+
+
+def _release_store(store: Any, rank: int, size: int, seconds: float = 10.0) -> None:
+    """Tear down a store we host only after every rank has let go of it.
+
+    Rank 0 hosting the store and leaving first would cut the others' connections while they
+    are still closing theirs (seen: an intermittent ``terminate called`` abort under mpirun).
+    """
+    try:
+        store.add("scopedlite/released", 1)
+        deadline = time.monotonic() + seconds
+        while rank == 0 and store.add("scopedlite/released", 0) < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a peer already gone: nothing left to wait for
+        pass
+
+
+def comm_device(backend: str, device: torch.device) -> torch.device:
+    """Where tensors must live to be communicated: NCCL needs CUDA, gloo takes CPU."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def all_reduce_tensor(tensor: torch.Tensor, op: str, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks; ``mean`` divides the sum by the world size."""
+    original = tensor
+    work = tensor.detach().to(device=device, dtype=wire_dtype(tensor.dtype, op), copy=True)
+    dist.all_reduce(work, op=TORCH_OPS[op], group=group)
+    if op == "mean":
+        work = work / dist.get_world_size(group)
+    elif original.dtype == torch.bool and op in ("max", "min"):
+        work = work.bool()
+    return work.to(original.device)
+
+
+def all_gather_tensor(tensor: torch.Tensor, device: torch.device, group: Any = None) -> torch.Tensor:
+    """Gather ``tensor`` from all ranks, stacked on a new leading dimension (rank order)."""
+    work = tensor.detach().to(device).contiguous()
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, work, group=group)
+    return torch.stack(parts).to(tensor.device)
+
+
+def barrier(backend: str, device: torch.device, group: Any = None) -> None:
+    if backend == "nccl":
+        dist.barrier(group=group, device_ids=[device.index or 0])
+    else:
+        dist.barrier(group=group)
+
+
+_HEADER = 3 + MAX_DIMS  # kind, dtype code, ndim, shape...
+_KIND_TENSOR, _KIND_BYTES = 1, 2
+
+
+def broadcast_any(obj: Any, src: int, device: torch.device, group: Any = None) -> Any:
+    """Send ``obj`` from rank ``src`` to every rank and return it everywhere.
+
+    Tensors travel as tensors and arrive on each rank's device; anything else is pickled
+    (tensors inside it are moved to CPU first, then back to each rank's device).
+    """
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    payload: torch.Tensor | None = None
+    if dist.get_rank(group) == src:
+        if isinstance(obj, torch.Tensor) and obj.dim() <= MAX_DIMS and obj.dtype in DTYPES:
+            payload = obj.detach().to(device).contiguous()
+            header[0], header[1], header[2] = _KIND_TENSOR, DTYPES.index(obj.dtype), obj.dim()
+            header[3 : 3 + obj.dim()] = torch.tensor(obj.shape, dtype=torch.int64)
+        else:
+            payload = to_bytes(obj).to(device)
+            header[0], header[1], header[2] = _KIND_BYTES, DTYPES.index(torch.uint8), 1
+            header[3] = payload.numel()
+    dist.broadcast(header, src=src, group=group)
+    kind, dtype, ndim = (int(v) for v in header[:3].tolist())
+    shape = [int(v) for v in header[3 : 3 + ndim].tolist()]
+    if payload is None:
+        payload = torch.empty(shape, dtype=DTYPES[dtype], device=device)
+    dist.broadcast(payload, src=src, group=group)
+    if kind == _KIND_TENSOR:
+        return payload.clone() if dist.get_rank(group) == src else payload
+    return from_bytes(payload)

@@ -1,0 +1,1 @@
+"""Hardware probing: devices, cores, XLA; nothing is started or initialised."""

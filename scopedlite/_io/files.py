@@ -1,0 +1,133 @@
+"""Checkpoint files: written atomically, read safely, restored into modules and optimizers.
+
+Below the strategies: the single-file format every strategy can write and read, and the
+atomic swap of a checkpoint folder, so the strategies with formats of their own (FSDP's
+shards, DeepSpeed's engine directory) share the same guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "read", "restore", "state_dicts", "swap_folder_into_place", "write_atomically"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be read: truncated, not a torch checkpoint, or unsafe."""
+
+
+def state_dicts(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its modules and optimizers replaced by their full state dicts, as the
+    strategy gives them (under a sharding strategy a collective: every rank takes part)."""
+    converted: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            converted[key] = strategy.module_state(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            converted[key] = strategy.optimizer_state(value)
+        else:
+            converted[key] = value
+    return converted
+
+
+def write_atomically(path: Path, obj: Any) -> None:
+    path = path.absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkstemp: its 0600 mode would stick to the checkpoint; open(..., "xb") honours umask.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def read(path: str | os.PathLike[str], weights_only: bool) -> Any:
+    if Path(path).is_dir():
+        raise CheckpointError(
+            f"{path} is a folder: a sharded checkpoint written under strategy='fsdp' or "
+            "'deepspeed'. Restore it under the strategy that wrote it with "
+            "lite.load(path, {'model': model, ...}), or make one file of it first: "
+            f"lite.consolidate_checkpoint({str(path)!r}, 'ckpt.pt') (FSDP) or "
+            f"lite.consolidate_deepspeed_checkpoint({str(path)!r}) (DeepSpeed)."
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as e:
+        if weights_only and "weights_only" in str(e):
+            raise CheckpointError(
+                f"{path} holds objects that weights_only=True refuses to unpickle. If you trust "
+                "this file, load it with lite.load(path, state, weights_only=False). torch "
+                f"said: {str(e).splitlines()[0]}"
+            ) from e
+        raise CheckpointError(_incomplete(path, e)) from e
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways, all of them this
+        raise CheckpointError(_incomplete(path, e)) from e
+
+
+def _incomplete(path: str | os.PathLike[str], e: BaseException) -> str:
+    return (
+        f"{path} is not a complete torch checkpoint (truncated, or not written by torch.save / "
+        f"lite.save): {type(e).__name__}: {e}"
+    )
+
+
+def restore(
+    strategy: Any, path: str | os.PathLike[str], checkpoint: dict[str, Any], state: dict[str, Any], strict: bool
+) -> dict[str, Any]:
+    """Restore ``state`` in place from a loaded single-file ``checkpoint``; return the rest.
+
+    Modules and optimizers go through the strategy (which knows its wrappers and shards);
+    other entries of ``state`` are replaced by the checkpoint's values.
+    """
+    missing = [k for k in state if k not in checkpoint]
+    if missing and strict:
+        raise KeyError(
+            f"{path} has no entry {missing}; it holds {sorted(checkpoint)}. Pass strict=False to "
+            "restore only what is there."
+        )
+    for key, target in state.items():
+        if key not in checkpoint:
+            continue
+        if isinstance(target, torch.nn.Module):
+            strategy.load_module_state(target, checkpoint[key], strict)
+        elif isinstance(target, torch.optim.Optimizer):
+            strategy.load_optimizer_state(target, checkpoint[key])
+        else:
+            state[key] = checkpoint[key]
+    return {k: v for k, v in checkpoint.items() if k not in state}
+
+
+def swap_folder_into_place(staging: Path, path: Path, token: str) -> None:
+    """Rename the complete folder ``staging`` to ``path``, replacing what was there.
+
+    The previous checkpoint (folder, file or link) is renamed aside first and removed only
+    after the new one is in place, so a crash leaves one complete checkpoint at ``path`` or
+    beside it, never a mix of both.
+    """
+    old = path.parent / f".{path.name}.{token}.old"
+    if path.exists() or path.is_symlink():
+        os.rename(path, old)
+    os.rename(staging, path)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    elif old.exists() or old.is_symlink():
+        old.unlink()

@@ -1,0 +1,65 @@
+"""The optional abilities of a strategy, each a declared protocol.
+
+The front end asks ``isinstance(strategy, SupportsX)`` and never looks for a concrete class
+or probes attributes with ``getattr``: a new strategy gains an ability by defining its
+methods, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ContextManager, Iterable, Iterator, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "SupportsCheckpoint",
+    "SupportsDeviceFeed",
+    "SupportsJoin",
+    "SupportsJointSetup",
+    "SupportsNoBackwardSync",
+]
+
+
+@runtime_checkable
+class SupportsNoBackwardSync(Protocol):
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
+        """Skip gradient synchronisation of ``module`` inside the returned context."""
+        ...
+
+
+@runtime_checkable
+class SupportsJoin(Protocol):
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
+        """Return a join session (a context manager, see ``join_session``) for uneven inputs."""
+        ...
+
+
+@runtime_checkable
+class SupportsJointSetup(Protocol):
+    def setup_module_and_optimizers(
+        self, module: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """Set up a model together with its optimizers, for backends that build one object
+        from both (a DeepSpeed engine). ``lite.setup(model, opt)`` prefers this when present."""
+        ...
+
+
+@runtime_checkable
+class SupportsCheckpoint(Protocol):
+    """A strategy with its own checkpoint format (a folder of shards, an engine directory).
+
+    ``lite.save``/``lite.load`` hand the whole state to it instead of writing one file.
+    """
+
+    def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None: ...
+
+    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class SupportsDeviceFeed(Protocol):
+    def device_batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield the loader's batches on the device the strategy's own way (XLA's
+        ``MpDeviceLoader``), instead of moving each batch with ``.to(device)``."""
+        ...

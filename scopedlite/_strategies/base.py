@@ -1,0 +1,151 @@
+"""The strategy interface: one small class per way of spreading a model over processes.
+
+A strategy is configured by its constructor (the options users pass, e.g.
+``lite.DDPStrategy(find_unused_parameters=True)``) and brought to life by :meth:`start` once
+the run's place in the world is known. ``launch`` works on a copy of the object the user
+passed, so one configured instance can serve several launches.
+
+Optional abilities are declared protocols (``scopedlite._strategies.abilities``); the front
+end checks for the ability, never for a concrete class, so adding a strategy touches no other.
+A strategy is started with a :class:`~scopedlite._core.run.Placement` (ranks, device,
+precision), never with the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
+
+import torch
+
+from scopedlite._core.init import on_device, skip_init
+
+if TYPE_CHECKING:
+    from scopedlite._cluster.environments import World
+    from scopedlite._core.run import Placement
+
+__all__ = ["REDUCE_OPS", "ReduceOp", "Rendezvous", "Strategy"]
+
+ReduceOp = str
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class Strategy(ABC):
+    """How modules, optimizers, backward and collectives work in one kind of run.
+
+    Class attributes:
+        name: The name ``launch(strategy=...)`` accepts.
+        multi_process: Whether the strategy spans several processes.
+        accelerators: The accelerators it can run on.
+        launcher: The launcher it asks for when ``launcher="auto"`` (``None``: the usual
+            choice, a re-executed script or a fork in a notebook).
+    """
+
+    name: ClassVar[str]
+    multi_process: ClassVar[bool] = True
+    accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "mps")
+    launcher: ClassVar[str | None] = None
+
+    placement: Placement
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors must be to be communicated (gloo takes CPU tensors only)."""
+        return self.placement.device
+
+    def fresh(self) -> Strategy:
+        """A copy of this configured strategy for one run (its state starts empty)."""
+        return copy.copy(self)
+
+    def check(self, accelerator: str, world_size: int, precision: str) -> None:  # noqa: B027
+        """Raise ``ValueError`` if this strategy cannot run this configuration.
+
+        Called by the resolver before anything starts; the default accepts everything that
+        the class attributes allow.
+        """
+
+    def backend(self, accelerator: str) -> str:
+        """The torch.distributed backend for ``accelerator``."""
+        return "nccl" if accelerator == "cuda" else "gloo"
+
+    @abstractmethod
+    def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
+        """Bring the strategy up at ``placement`` (e.g. create the process group)."""
+
+    def stop(self) -> None:  # noqa: B027
+        """Release what :meth:`start` acquired. Must be safe to call after a failure."""
+
+    # -- modules and optimizers ---------------------------------------------------------
+    @abstractmethod
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module: ...
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside whatever wrapper :meth:`setup_module` added."""
+        return module
+
+    def module_init_context(self, empty: bool) -> ContextManager[Any]:
+        """Where and how modules are built inside ``lite.sharded_init()``."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(on_device(self.placement.device))
+        stack.enter_context(self.placement.precision.init_dtype())
+        if empty:
+            stack.enter_context(skip_init())
+        return stack
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+
+    def clip_gradients(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+    ) -> torch.Tensor | None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if max_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        torch.nn.utils.clip_grad_value_(params, clip_val)  # type: ignore[arg-type]
+        return None
+
+    # -- collectives (only called with world_size > 1) ----------------------------------
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def broadcast(self, obj: Any, src: int) -> Any: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        return self.unwrap(module).state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_module_state(self, module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+        self.unwrap(module).load_state_dict(state, strict=strict)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def describe(self) -> str:
+        return f"strategy={self.name!r}"
+
+
+class Rendezvous:
+    """Where the processes of a run meet: an existing store, or an address and port."""
+
+    def __init__(self, world: World, store: Any = None) -> None:
+        self.world = world
+        self.store = store

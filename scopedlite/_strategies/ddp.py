@@ -1,0 +1,113 @@
+"""Distributed data parallel: one replica per process, gradients averaged in backward."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from scopedlite._strategies.base import Rendezvous
+from scopedlite._strategies.join_session import ProcessGroupJoin
+from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
+
+if TYPE_CHECKING:
+    from scopedlite._core.run import Placement
+
+__all__ = ["DDPStrategy"]
+
+_DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "device_ids",
+    "output_device",
+    "process_group",
+}
+
+
+class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
+    """``torch.nn.parallel.DistributedDataParallel`` over one process per device.
+
+    Args:
+        start_method: How our launcher starts the other local processes when
+            ``launch(launcher="auto")``: ``"script"`` re-executes the command line,
+            ``"fork"`` forks (notebooks). None picks by where the code runs.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; None picks NCCL on CUDA, else gloo.
+        **ddp_options: Passed on to ``DistributedDataParallel`` (e.g.
+            ``find_unused_parameters=True``, ``static_graph=False``, ``bucket_cap_mb=25``).
+            Unknown names raise ``TypeError`` at once.
+    """
+
+    name: ClassVar[str] = "ddp"
+    accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def __init__(
+        self,
+        start_method: str | None = None,
+        process_group_backend: str | None = None,
+        **ddp_options: Any,
+    ) -> None:
+        unknown = sorted(set(ddp_options) - _DDP_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"DDPStrategy got unknown option(s) {unknown}; options passed on to "
+                f"DistributedDataParallel are: {sorted(_DDP_OPTIONS)}."
+            )
+        super().__init__(process_group_backend=process_group_backend, start_method=start_method)
+        self.ddp_options = dict(ddp_options)
+
+    def fresh(self) -> DDPStrategy:
+        copy = super().fresh()
+        assert isinstance(copy, DDPStrategy)
+        copy.ddp_options = dict(self.ddp_options)
+        return copy
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.ddp_options.items())
+        return f"DDPStrategy({options})"
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
+        super().start(placement, rendezvous)
+        self.scaling = GradientScaling.for_placement(placement)
+        # In setup order (the same on every rank): join's hooks must run in one order.
+        self._modules: list[weakref.ref[DistributedDataParallel]] = []
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+
+    # -- modules and optimizers ---------------------------------------------------------
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(module, DistributedDataParallel):
+            raise TypeError(
+                "lite.setup got a module that is already DistributedDataParallel; pass the "
+                "plain module (`lite.setup(model)`) and scopedlite wraps it."
+            )
+        module = self.placement.precision.convert_module(module.to(self.placement.device))
+        device_ids = [self.placement.device.index] if self.placement.device.type == "cuda" else None
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
+        self._modules.append(weakref.ref(ddp))
+        return ddp
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self._optimizers.append(weakref.ref(optimizer))
+        return self.scaling.wrap_optimizer(optimizer)
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(
+                f"lite.no_backward_sync needs the module returned by lite.setup, got a plain "
+                f"{type(module).__name__}. Use `model = lite.setup(model)` first."
+            )
+        return module.no_sync() if enabled else contextlib.nullcontext()
+
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
+        modules = tuple(m for m in (ref() for ref in self._modules) if m is not None)
+        optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
+        return ProcessGroupJoin(self, joinables or modules, optimizers, divide_by_initial_world_size)
+

@@ -1,0 +1,344 @@
+"""DeepSpeed ZeRO (stages 1-3, optional CPU offload) behind the same short strategy interface.
+
+Our launcher starts the processes and creates the process group; DeepSpeed is handed that
+group (``deepspeed.init_distributed`` finds it and builds nothing of its own), so collectives,
+failures and the end of the run work exactly as under DDP. What is DeepSpeed's own:
+
+- ``lite.setup(model, opt)`` calls ``deepspeed.initialize``; the engine is the model it
+  returns. The optimizer it returns is the user's own torch optimizer, whose ``step`` goes
+  through ``engine.step()`` (the engine reduces, clips, steps and zeroes gradients).
+- ``lite.sharded_init()`` under ZeRO-3 is ``deepspeed.zero.Init``: parameters are partitioned
+  as they are created, so no rank ever holds the whole model.
+- ``lite.save``/``lite.load`` write and read the engine's sharded checkpoint directory.
+
+DeepSpeed is imported when the strategy starts, never at ``import scopedlite``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import os
+import types
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
+
+import torch
+
+from scopedlite._core.init import skip_init
+from scopedlite._core.structures import map_tensors
+from scopedlite._private.deepspeed_internals import is_zero3_partitioned
+from scopedlite._strategies.base import Rendezvous
+from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
+from scopedlite._strategies.deepspeed.config import ZeroSettings, half_dtype
+from scopedlite._strategies.deepspeed.install import import_deepspeed
+from scopedlite._strategies.deepspeed.logs import (
+    Discard,
+    filtered_warnings,
+    quiet_deepspeed,
+)
+from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.reroute import reroute_step
+
+if TYPE_CHECKING:
+    from scopedlite._core.run import Placement
+
+__all__ = ["DeepSpeedStrategy"]
+
+# The variables DeepSpeed reads from the environment (LOCAL_RANK is required by its engine and
+# by zero.Init). Our workers have them already; rank 0 of our launcher and forked workers do
+# not, so the strategy sets them in its own process for the run and restores them in stop().
+_WORLD_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DeepSpeedStrategy(ProcessGroupStrategy):
+    """DeepSpeed ZeRO data parallelism over one process per device.
+
+    Args:
+        stage: ZeRO stage: 0 (plain data parallel), 1 (optimizer states sharded),
+            2 (+ gradients), 3 (+ parameters). None takes it from ``config``, else 2.
+        config: A DeepSpeed config, as a dict or the path of a JSON file. Anything the other
+            arguments or ``launch(precision=...)`` also set must agree with them; a
+            contradiction raises ``ValueError`` before the run starts. Gradient accumulation
+            (``gradient_accumulation_steps``) and clipping (``gradient_clipping``) are set
+            here: the engine applies them.
+        offload_optimizer: Keep optimizer states in CPU memory (ZeRO-Offload, stages 1-3).
+            None: as the config says, else off.
+        offload_parameters: Keep parameters in CPU memory (ZeRO-Infinity, stage 3 only).
+            None: as the config says, else off.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; None picks NCCL on CUDA, else gloo.
+
+    Defaults added where the config is silent: ``train_micro_batch_size_per_gpu=1`` (DeepSpeed
+    insists on a batch size, which only matters for its throughput logs),
+    ``gradient_clipping=0.0`` (recent DeepSpeed clips to 1.0 by default, which would silently
+    change the training the same loop does under DDP), ``zero_allow_untested_optimizer=True``
+    and ``zero_force_ds_cpu_optimizer=False``, so the torch optimizer passed to ``lite.setup``
+    is used as is.
+    """
+
+    name: ClassVar[str] = "deepspeed"
+    accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def __init__(
+        self,
+        stage: int | None = None,
+        config: dict[str, Any] | str | os.PathLike[str] | None = None,
+        offload_optimizer: bool | None = None,
+        offload_parameters: bool | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        self.settings = ZeroSettings(stage, config, offload_optimizer, offload_parameters)
+        super().__init__(process_group_backend=process_group_backend)
+
+    @property
+    def stage(self) -> int:
+        return self.settings.stage
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.settings.offload_optimizer
+
+    @property
+    def offload_parameters(self) -> bool:
+        return self.settings.offload_parameters
+
+    def fresh(self) -> DeepSpeedStrategy:
+        fresh = super().fresh()
+        assert isinstance(fresh, DeepSpeedStrategy)
+        fresh.settings = copy.deepcopy(self.settings)
+        return fresh
+
+    def describe(self) -> str:
+        return (
+            f"DeepSpeedStrategy(stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
+            f"offload_parameters={self.offload_parameters})"
+        )
+
+    def build_config(self, precision: str, accelerator: str) -> dict[str, Any]:
+        """The config handed to DeepSpeed: the user's, completed by the arguments."""
+        return self.settings.build_config(precision, accelerator)
+
+    def check(self, accelerator: str, world_size: int, precision: str) -> None:
+        super().check(accelerator, world_size, precision)
+        self.build_config(precision, accelerator)
+        if importlib.util.find_spec("deepspeed") is None:  # refuse before any process starts
+            import_deepspeed()
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The dtype DeepSpeed keeps the model in (None: fp32)."""
+        return half_dtype(self.config)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
+        self.config = self.build_config(placement.precision.name, placement.accelerator)
+        self._engines: list[Any] = []
+        self._saved_env: dict[str, str | None] = {}
+        self._owns_group = False
+        self._log_level: int | None = None
+        try:
+            super().start(placement, rendezvous)
+            self._owns_group = True
+            self._start_deepspeed(placement, rendezvous)
+        except BaseException:
+            self.stop()  # leave no process group or environment variable behind
+            raise
+
+    def _start_deepspeed(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
+        assert rendezvous is not None
+        world = rendezvous.world
+        self._set_env({
+            "RANK": str(world.global_rank),
+            "LOCAL_RANK": str(world.local_rank),
+            "WORLD_SIZE": str(world.world_size),
+            "LOCAL_WORLD_SIZE": str(world.local_world_size),
+            "MASTER_ADDR": world.main_address,
+            "MASTER_PORT": str(world.main_port),
+        })
+        if placement.accelerator == "cpu" and "DS_ACCELERATOR" not in os.environ:
+            self._set_env({"DS_ACCELERATOR": "cpu"})  # else DeepSpeed warns while detecting
+        before = dict(os.environ)
+        self.deepspeed = import_deepspeed()
+        # Importing DeepSpeed sets PYTORCH_NVML_BASED_CUDA_CHECK for good; the run ends with
+        # the environment it started with.
+        for key in set(os.environ) - set(before):
+            self._saved_env.setdefault(key, None)
+        self._log_level = quiet_deepspeed()
+        # DeepSpeed finds our process group and wraps it; it creates none of its own. Its
+        # first call builds a small C++ op with gcc (cached in TORCH_EXTENSIONS_DIR) and prints
+        # that it did on every rank: that print (main thread, Python-level) is dropped.
+        with contextlib.redirect_stdout(Discard()):
+            self.deepspeed.init_distributed(dist_backend=self._backend, timeout=placement.timeout)
+
+    def _set_env(self, values: dict[str, str]) -> None:
+        for key, value in values.items():
+            if os.environ.get(key) == value:
+                continue
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+
+    def stop(self) -> None:
+        for engine in self._engines:
+            if hasattr(engine, "destroy"):  # releases the engine's hooks and buffers
+                engine.destroy()
+        self._engines = []
+        if self._owns_group:
+            super().stop()
+            self._owns_group = False
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
+        if self._log_level is not None:
+            self.deepspeed.utils.logger.setLevel(self._log_level)
+            self._log_level = None
+
+    # -- modules and optimizers ---------------------------------------------------------
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A model set up without an optimizer: an engine for evaluation only."""
+        engine, _ = self.setup_module_and_optimizers(module, ())
+        return engine
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        raise RuntimeError(
+            "Under strategy='deepspeed' the model and its optimizer are set up together, "
+            "because deepspeed.initialize builds the engine from both: "
+            "`model, opt = lite.setup(model, opt)`."
+        )
+
+    def setup_module_and_optimizers(
+        self, module: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        """``deepspeed.initialize`` on the model and (at most one) optimizer."""
+        if isinstance(module, self.deepspeed.DeepSpeedEngine):
+            raise TypeError(
+                "lite.setup got a DeepSpeed engine; pass the plain module (`lite.setup(model, "
+                "opt)`) and scopedlite builds the engine."
+            )
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"strategy='deepspeed' drives one optimizer per model, got {len(optimizers)}. "
+                "Put the parameter groups in one optimizer."
+            )
+        optimizer = optimizers[0] if optimizers else None
+        with filtered_warnings():
+            engine, _, _, _ = self.deepspeed.initialize(
+                model=module.to(self.placement.device) if not is_zero3_partitioned(module) else module,
+                optimizer=optimizer,
+                config=copy.deepcopy(self.config),
+                dist_init_required=False,
+            )
+        self._engines.append(engine)
+        forward = engine.forward
+
+        def quiet_forward(*args: Any, **kwargs: Any) -> Any:
+            with filtered_warnings():  # ZeRO-3 gathers parameters inside forward
+                return forward(*args, **kwargs)
+
+        engine.forward = quiet_forward
+        if self.half_dtype is not None:
+            engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True)
+        if optimizer is None:
+            return engine, []
+        _route_step_through_engine(optimizer, engine)
+        return engine, [optimizer]
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.module if isinstance(module, self.deepspeed.DeepSpeedEngine) else module
+
+    def module_init_context(self, empty: bool) -> ContextManager[Any]:
+        if self.stage != 3:
+            return super().module_init_context(empty)
+        stack = contextlib.ExitStack()
+        stack.enter_context(filtered_warnings())
+        stack.enter_context(
+            self.deepspeed.zero.Init(
+                config_dict_or_path=copy.deepcopy(self.config),
+                remote_device="cpu" if self.offload_parameters else None,
+                dtype=self.half_dtype or torch.float32,
+            )
+        )
+        if empty:
+            stack.enter_context(skip_init())
+        return stack
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        engine = self._engine_of(None)
+        if args or kwargs:
+            raise TypeError(
+                "lite.backward(loss) under strategy='deepspeed' takes the loss only (it calls "
+                f"engine.backward(loss)); got extra arguments {args!r} {kwargs!r}."
+            )
+        with filtered_warnings():
+            engine.backward(loss)
+
+    def clip_gradients(self, module, optimizer, max_norm, clip_val):  # type: ignore[no-untyped-def]
+        raise RuntimeError(
+            "lite.clip_gradients is not available under strategy='deepspeed': the engine clips "
+            "inside optimizer.step(), by total norm, from its config. Remove the call and "
+            "pass lite.DeepSpeedStrategy(config={'gradient_clipping': "
+            f"{max_norm if max_norm is not None else 1.0}}}) to launch instead."
+        )
+
+    def _engine_of(self, module: Any) -> Any:
+        if module is not None:
+            return module
+        # lite.backward(loss) names no model: it is the one engine that trains (has an
+        # optimizer); engines set up without one are for evaluation.
+        training = [e for e in self._engines if getattr(e, "_lite_user_optimizer", None) is not None]
+        if len(training) != 1:
+            raise RuntimeError(
+                "lite.backward under strategy='deepspeed' needs exactly one model set up with "
+                f"its optimizer (`model, opt = lite.setup(model, opt)`); this run has {len(training)}."
+            )
+        return training[0]
+
+    # -- checkpoints: the engine's sharded directory (see checkpoint.py) ------------------
+    def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        _checkpoint.save_checkpoint(self, path, state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        return _checkpoint.load_checkpoint(self, path, state, strict)
+
+
+def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) -> None:
+    """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
+    to the engine; the engine's own calls into the optimizer reach the real methods.
+
+    Rerouted on the instance (see _reroute.py), so the optimizer keeps its class and LR
+    schedulers built on it keep working.
+    """
+    original_zero_grad = optimizer.zero_grad
+
+    def engine_step() -> None:
+        with filtered_warnings():
+            engine.step()
+
+    inside_engine = reroute_step(
+        optimizer,
+        engine_step,
+        "optimizer.step(closure) cannot be used under strategy='deepspeed': the engine steps "
+        "after lite.backward(loss). Call optimizer.step() without a closure.",
+    )
+
+    def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        # The engine zeroes its (partitioned) gradients itself after each step it takes; with
+        # gradient accumulation a user's zero_grad between micro-batches must not erase them.
+        if inside_engine():
+            original_zero_grad(set_to_none=set_to_none)
+
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer._lite_engine = engine  # type: ignore[attr-defined]
+    engine._lite_user_optimizer = optimizer
+
+
+def _input_caster(dtype: torch.dtype) -> Any:
+    """A forward pre-hook casting floating inputs to the dtype DeepSpeed holds the model in
+    (its bf16/fp16 modes convert the whole model, unlike torch autocast)."""
+    def cast(_: Any, args: Any, kwargs: Any) -> Any:
+        convert = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return map_tensors(args, convert), map_tensors(kwargs, convert)
+
+    return cast

@@ -1,0 +1,1 @@
+"""FSDP2 (``fully_shard``): the strategy, its sharded init, its checkpoints."""

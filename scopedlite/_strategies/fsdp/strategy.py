@@ -1,0 +1,368 @@
+"""Fully sharded data parallel on torch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each process holds a 1/N slice of every parameter, gradient and optimizer state; parameters
+are all-gathered for forward and backward and gradients reduce-scattered. The user's loop
+does not change from DDP: ``lite.setup(model, AdamW(model.parameters()))`` works even though
+``fully_shard`` replaces every parameter by a sharded ``DTensor`` (the optimizer is re-pointed
+at the new parameters), and ``lite.sharded_init()`` builds the model on the meta device and
+later fills each shard with exactly the values an unsharded build with the same seed has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator
+
+import torch
+import torch.distributed as dist
+
+from scopedlite._io.consolidate import (
+    optimizer_state_to_indices,
+    optimizer_state_to_names,
+)
+from scopedlite._strategies.base import Rendezvous
+from scopedlite._strategies.fsdp import checkpoint as _checkpoint
+from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
+from scopedlite._strategies.process_group import ProcessGroupStrategy
+
+if TYPE_CHECKING:
+    from scopedlite._core.run import Placement
+
+__all__ = ["FSDPStrategy"]
+
+_STATE_DICT_TYPES = ("sharded", "full")
+
+WrapPolicy = Callable[[torch.nn.Module], bool]
+
+
+def _module_classes(argument: str, value: Any) -> frozenset[type[torch.nn.Module]]:
+    """Validate a collection of ``torch.nn.Module`` subclasses (a set, list or tuple)."""
+    if isinstance(value, type):
+        raise TypeError(
+            f"{argument}={value.__name__} is a single class; pass a set of module classes, "
+            f"e.g. {argument}={{{value.__name__}}}."
+        )
+    if not isinstance(value, (set, frozenset, list, tuple)) or not value:
+        raise TypeError(
+            f"{argument} must be a non-empty set of torch.nn.Module subclasses, got "
+            f"{type(value).__name__} ({value!r})."
+        )
+    bad = [v for v in value if not (isinstance(v, type) and issubclass(v, torch.nn.Module))]
+    if bad:
+        raise TypeError(f"{argument} must hold torch.nn.Module subclasses only; {bad!r} are not.")
+    return frozenset(value)
+
+
+class FSDPStrategy(ProcessGroupStrategy):
+    """FSDP2: parameters, gradients and optimizer state sharded over the processes.
+
+    Args:
+        auto_wrap_policy: Which submodules become their own FSDP unit (all-gathered and freed
+            on their own, so peak memory is one unit, not the whole model): a set of module
+            classes (e.g. ``{TransformerBlock}``) or a callable ``policy(module) -> bool``.
+            None shards the whole model as one unit.
+        reshard_after_forward: Free the gathered parameters after forward (and gather again
+            in backward): less memory, more communication.
+        cpu_offload: Keep the sharded parameters, gradients and optimizer step on the CPU
+            (``CPUOffloadPolicy``); only meaningful with an accelerator.
+        activation_checkpointing: Module classes whose activations are recomputed in
+            backward instead of stored (``torch.utils.checkpoint``).
+        state_dict_type: What ``lite.save`` writes: ``"sharded"`` (a folder written by every
+            rank through ``torch.distributed.checkpoint``, no gathering) or ``"full"`` (one
+            file with the whole model, gathered to rank 0).
+        start_method: As for :class:`DDPStrategy`: ``"script"``, ``"fork"`` or None.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; None picks NCCL on CUDA, else gloo.
+    """
+
+    name: ClassVar[str] = "fsdp"
+    accelerators: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def __init__(
+        self,
+        auto_wrap_policy: set[type[torch.nn.Module]] | WrapPolicy | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: set[type[torch.nn.Module]] | None = None,
+        state_dict_type: str = "sharded",
+        start_method: str | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        self.wrap_classes: frozenset[type[torch.nn.Module]] = frozenset()
+        self.wrap_policy: WrapPolicy | None = None
+        if auto_wrap_policy is not None:
+            if callable(auto_wrap_policy) and not isinstance(auto_wrap_policy, type):
+                self.wrap_policy = auto_wrap_policy
+            else:
+                self.wrap_classes = _module_classes("auto_wrap_policy", auto_wrap_policy)
+        self.checkpoint_classes: frozenset[type[torch.nn.Module]] = frozenset()
+        if activation_checkpointing is not None:
+            self.checkpoint_classes = _module_classes("activation_checkpointing", activation_checkpointing)
+        for argument, value in (("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{argument} must be True or False, got {value!r}.")
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type={state_dict_type!r} is not valid; choose one of {_STATE_DICT_TYPES}."
+            )
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+        super().__init__(process_group_backend=process_group_backend, start_method=start_method)
+
+    def check(self, accelerator: str, world_size: int, precision: str) -> None:
+        super().check(accelerator, world_size, precision)
+        if self.cpu_offload and accelerator == "cpu":
+            raise ValueError(
+                "FSDPStrategy(cpu_offload=True) moves shards from an accelerator to the CPU, "
+                "but the run is on accelerator='cpu' already. Use cpu_offload=False on CPU."
+            )
+        if precision == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' with strategy='fsdp' is not supported: fp16 loss scaling "
+                "over sharded gradients is not implemented. Use precision='bf16-mixed'."
+            )
+
+    def describe(self) -> str:
+        return (
+            f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, "
+            f"cpu_offload={self.cpu_offload}, state_dict_type={self.state_dict_type!r})"
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
+        super().start(placement, rendezvous)
+        self._init_records = InitRecords()
+        # id(parameter before sharding) -> (weak ref to it, the sharded parameter replacing it)
+        self._replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], torch.nn.Parameter]] = {}
+        self._modules: list[weakref.ref[torch.nn.Module]] = []
+
+    # -- building and sharding ------------------------------------------------------------
+    def module_init_context(self, empty: bool) -> ContextManager[Any]:
+        """Build on the meta device: no memory at all until :meth:`setup_module` shards."""
+        return self._init_records.context(self, empty)
+
+    def _mp_policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        precision = self.placement.precision
+        if precision.name == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()  # "-true" modes: parameters are already in their dtype
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        if isinstance(module, FSDPModule):
+            raise TypeError(
+                "lite.setup got a module that is already sharded (fully_shard was applied); "
+                "pass the plain module (`lite.setup(model)`) and scopedlite shards it."
+            )
+        on_meta = [name for name, p in module.named_parameters() if p.is_meta]
+        if on_meta and len(on_meta) != len(list(module.parameters())):
+            raise ValueError(
+                f"{type(module).__name__} has some parameters on the meta device ({on_meta[:3]}...) "
+                "and some not. Build the whole model inside `with lite.sharded_init():`."
+            )
+        replay = self._init_records.plan(module) if on_meta else None
+        if not on_meta:
+            module = self.placement.precision.convert_module(module.to(self.placement.device))
+            self._broadcast_from_rank_zero(module)
+        before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
+
+        if self.checkpoint_classes:
+            checkpoint_activations(module, self.checkpoint_classes)
+        options: dict[str, Any] = {
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": self._mp_policy(),
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+        for sub in reversed(list(module.modules())):  # children before parents
+            if sub is not module and self._wraps(sub):
+                fully_shard(sub, **options)
+        fully_shard(module, **options)
+
+        if replay is not None:
+            module.to_empty(device=self.placement.device)
+            replay.run()
+
+        after = dict(module.named_parameters(remove_duplicate=False))
+        for name, old in before.items():
+            self._replaced[id(old)] = (weakref.ref(old), after[name])
+        self._modules.append(weakref.ref(module))
+        return module
+
+    def _wraps(self, module: torch.nn.Module) -> bool:
+        if self.wrap_policy is not None:
+            return bool(self.wrap_policy(module))
+        return isinstance(module, tuple(self.wrap_classes)) if self.wrap_classes else False
+
+    def _broadcast_from_rank_zero(self, module: torch.nn.Module) -> None:
+        """Make every rank start from rank 0's values, as DDP does: each rank keeps its own
+        slice of its own tensors, so ranks built with different seeds would mix models."""
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                work = tensor.detach().to(self._comm_device)
+                dist.broadcast(work, src=0)
+                if work is not tensor:
+                    tensor.copy_(work)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point ``optimizer`` at the sharded parameters that replaced the ones it was built on.
+
+        Parameter groups and hyper-parameters are kept; each parameter is swapped for its
+        sharded successor, found by identity in the modules set up so far.
+        """
+        sharded = {id(p) for ref in self._modules if (m := ref()) is not None for p in m.parameters()}
+        swaps: list[tuple[list[Any], int, torch.nn.Parameter]] = []
+        for index, group in enumerate(optimizer.param_groups):
+            for position, param in enumerate(group["params"]):
+                if id(param) in sharded:
+                    continue
+                entry = self._replaced.get(id(param))
+                if entry is None or entry[0]() is not param:
+                    raise ValueError(
+                        f"The optimizer's param group {index} holds a parameter of shape "
+                        f"{tuple(param.shape)} that belongs to no module set up in this run. "
+                        "Set the model up first or together: `model, opt = lite.setup(model, opt)`."
+                    )
+                swaps.append((group["params"], position, entry[1]))
+        if swaps and optimizer.state:
+            raise ValueError(
+                "The optimizer already holds state (it has stepped) for the unsharded "
+                "parameters; that state cannot be sharded. Call lite.setup before training."
+            )
+        for params, position, new in swaps:
+            params[position] = new
+        return optimizer
+
+    # -- per step -------------------------------------------------------------------------
+    def clip_gradients(self, module, optimizer, max_norm, clip_val):  # type: ignore[no-untyped-def]
+        from torch.distributed.tensor import DTensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if max_norm is None:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+            return None
+        # Each rank holds a slice of every gradient: the norm of the slices is partial and
+        # must be reduced over all ranks before it is used.
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"lite.no_backward_sync needs the module returned by lite.setup, got a plain "
+                f"{type(module).__name__}. Use `model = lite.setup(model)` first."
+            )
+        return _without_gradient_sync(module) if enabled else contextlib.nullcontext()
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The set-up module whose parameters ``optimizer`` updates (state dicts need it)."""
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for ref in self._modules:
+            module = ref()
+            if module is not None and wanted <= {id(p) for p in module.parameters()}:
+                return module
+        raise ValueError(
+            "Under strategy='fsdp' an optimizer is saved and loaded together with the one model "
+            "it updates, but this optimizer's parameters are not all in one model set up with "
+            "lite.setup. Use one optimizer per model."
+        )
+
+    def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        state = get_optimizer_state_dict(
+            self.owner_of(optimizer), optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        # Gathered to rank 0 only: the other ranks get an empty dict, which they never write.
+        return optimizer_state_to_indices(state) if state else state
+
+    def load_module_state(self, module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+        """Load a full (unsharded) model state dict: each rank cuts its own slices."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        current = module.state_dict()
+        sharded = {k: _shard_like(v, current[k]) if k in current else v for k, v in state.items()}
+        set_model_state_dict(module, sharded, options=StateDictOptions(strict=strict))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a full optimizer state dict (by position or by name): each rank cuts its slices."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        module = self.owner_of(optimizer)
+        state = optimizer_state_to_names(state, _parameter_names(module, optimizer))
+        params = dict(module.named_parameters())
+        per_param = {
+            name: {k: _shard_like(v, params[name]) for k, v in values.items()} if name in params else values
+            for name, values in state["state"].items()
+        }
+        set_optimizer_state_dict(module, optimizer, {"state": per_param, "param_groups": state["param_groups"]})
+
+    def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """``lite.save`` under FSDP: a folder of shards, or one full file (``state_dict_type``)."""
+        save = _checkpoint.save_sharded if self.state_dict_type == "sharded" else _checkpoint.save_full
+        save(self, Path(path), state)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """``lite.load`` under FSDP: a shard folder, or any single-file checkpoint (full or
+        consolidated), whatever ``state_dict_type`` says: the files on disk decide."""
+        path = Path(path)
+        load = _checkpoint.load_sharded if path.is_dir() else _checkpoint.load_file
+        return load(self, path, state, strict)
+
+
+def _shard_like(value: Any, like: Any) -> Any:
+    """``value`` (a full tensor) cut the way ``like`` (a sharded DTensor of that shape) is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not (isinstance(like, DTensor) and isinstance(value, torch.Tensor)) or isinstance(value, DTensor):
+        return value
+    if tuple(value.shape) != tuple(like.shape):
+        return value  # e.g. an optimizer's step count: not shaped like the parameter
+    # Every rank read the full tensor: cut the local slice without communicating.
+    full = value.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the optimizer's parameters, in the optimizer's order."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(module: Any) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

@@ -1,0 +1,276 @@
+"""What ``lite.join`` does under each kind of strategy.
+
+``NoJoin`` (one process): nothing.
+
+``ProcessGroupJoin`` (DDP, and any strategy whose ranks share one process group): torch's
+join protocol for the user's joinables, extended so that our own collectives stay correct
+after ranks run out of data. Each round of the protocol starts with a one-element all-reduce:
+active ranks contribute a code, ranks that have left the block contribute zero.
+
+- A DDP forward sends torch's own notification (1 per active rank), so the sum is at most
+  the world size; joined ranks then run the joinables' hooks (DDP shadows its forward and
+  backward collectives), exactly as ``torch.distributed.algorithms.join.Join`` does.
+- One of our collectives sends ``world_size + 1`` per active rank, so the sum exceeds the
+  world size; then every rank all-gathers a small header (active flag, kind, op, dtype,
+  shape, source), and joined ranks take part in the payload with a neutral value: zero for
+  sums and means, -inf/+inf (or the dtype's limits) for max/min. A mean divides by the
+  number of active ranks, which the headers tell.
+- A sum of zero means every rank has joined: the joinables' post-hooks run and the block ends.
+
+Because a joined rank learns from each round what comes next, our collectives may sit
+anywhere in the loop (before the forward, after the backward, several per step) and a rank
+with no batch at all works too. torch's Join alone gets these wrong (see BACKENDS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
+from torch.nn.parallel import DistributedDataParallel
+
+from scopedlite._comm.wire import (
+    DTYPES,
+    MAX_DIMS,
+    TORCH_OPS,
+    from_bytes,
+    neutral_value,
+    to_bytes,
+    wire_dtype,
+)
+from scopedlite._private.torch_internals import (
+    joinables_configured,
+    no_sync_when_grad_disabled,
+    settle_bucket_rebuild,
+)
+
+if TYPE_CHECKING:
+    from scopedlite._strategies.base import Strategy
+
+__all__ = ["NoJoin", "ProcessGroupJoin"]
+
+_REDUCE, _GATHER, _BROADCAST, _BARRIER = 1, 2, 3, 4
+_OPS = ("sum", "mean", "max", "min")
+# header: active, kind, op, dtype, ndim, shape[8], src, payload kind (1 tensor, 2 bytes)
+_H_ACTIVE, _H_KIND, _H_OP, _H_DTYPE, _H_NDIM, _H_SHAPE, _H_SRC, _H_PAYLOAD = 0, 1, 2, 3, 4, 5, 13, 14
+_HEADER = 15
+_PAYLOAD_TENSOR, _PAYLOAD_BYTES = 1, 2
+
+
+class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
+    """One process has nothing to wait for."""
+
+
+class ProcessGroupJoin:
+    """Uneven inputs over one process group: torch's joinables plus our collectives."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        joinables: tuple[Any, ...],
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        divide_by_initial_world_size: bool,
+    ) -> None:
+        _refuse_what_join_cannot_survive(joinables, optimizers)
+        self.strategy = strategy
+        self.joinables = joinables
+        self.divide = divide_by_initial_world_size
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.device = strategy.comm_device
+        self.code = float(self.world_size + 1)
+        self._stack = contextlib.ExitStack()
+
+    # -- the block ---------------------------------------------------------------------------
+    def __enter__(self) -> ProcessGroupJoin:
+        if self.joinables:
+            # torch's join mode for the joinables; its serving loop is replaced by `_serve`.
+            self._stack.enter_context(joinables_configured(self.joinables, self.divide))
+        self.hooks = [j.join_hook(divide_by_initial_world_size=self.divide) for j in self.joinables]
+        for joinable in self.joinables:
+            if isinstance(joinable, DistributedDataParallel):
+                settle_bucket_rebuild(joinable)
+                self._stack.enter_context(no_sync_when_grad_disabled(joinable))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc_type is None:
+                self._serve()
+        finally:
+            self._stack.close()
+
+    def _serve(self) -> None:
+        """Shadow the active ranks' collectives until every rank has joined."""
+        is_last_joiner = True
+        while True:
+            opener = torch.zeros(1, device=self.device)
+            dist.all_reduce(opener)
+            total = round(opener.item())
+            if total == 0:
+                break
+            is_last_joiner = False
+            if total > self.world_size:
+                self._shadow_ours()
+            else:
+                for hook in self.hooks:
+                    hook.main_hook()
+        for hook in self.hooks:
+            hook.post_hook(is_last_joiner)
+
+    def _shadow_ours(self) -> None:
+        headers = self._exchange_headers(torch.zeros(_HEADER, dtype=torch.int64))
+        active = headers[headers[:, _H_ACTIVE] == 1]
+        first = active[0]
+        kind = int(first[_H_KIND])
+        if kind == _REDUCE:
+            op = _OPS[int(first[_H_OP])]
+            dtype = DTYPES[int(first[_H_DTYPE])]
+            neutral = torch.full(_shape(first), neutral_value(dtype, op), dtype=dtype, device=self.device)
+            dist.all_reduce(neutral, op=TORCH_OPS[op])
+        elif kind == _GATHER:
+            dtype = DTYPES[int(first[_H_DTYPE])]
+            zeros = torch.zeros(_shape(first), dtype=dtype, device=self.device)
+            dist.all_gather([torch.empty_like(zeros) for _ in range(self.world_size)], zeros)
+        elif kind == _BROADCAST:
+            src = int(first[_H_SRC])
+            if headers[src, _H_ACTIVE] == 1:
+                source = headers[src]
+                dtype = DTYPES[int(source[_H_DTYPE])]
+                dist.broadcast(torch.empty(_shape(source), dtype=dtype, device=self.device), src=src)
+        # _BARRIER: the opener and the headers were the barrier
+
+    # -- our collectives on an active rank -------------------------------------------------------
+    def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
+        opener = torch.full((1,), self.code, device=self.device)
+        dist.all_reduce(opener)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[_H_ACTIVE], header[_H_KIND], header[_H_OP] = 1, kind, _OPS.index(op)
+        header[_H_SRC], header[_H_PAYLOAD] = src, payload
+        if tensor is not None:
+            if tensor.dim() > MAX_DIMS:
+                raise ValueError(f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}.")
+            header[_H_DTYPE], header[_H_NDIM] = DTYPES.index(tensor.dtype), tensor.dim()
+            header[_H_SHAPE : _H_SHAPE + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        headers = self._exchange_headers(header)
+        self._check_agreement(headers, kind)
+        return headers
+
+    def _exchange_headers(self, header: torch.Tensor) -> torch.Tensor:
+        header = header.to(self.device)
+        parts = [torch.empty_like(header) for _ in range(self.world_size)]
+        dist.all_gather(parts, header)
+        return torch.stack(parts).cpu()
+
+    def _check_agreement(self, headers: torch.Tensor, kind: int) -> None:
+        active = headers[headers[:, _H_ACTIVE] == 1]
+        fields = [_H_KIND, _H_SRC] if kind == _BROADCAST else [_H_KIND, _H_OP, _H_DTYPE, _H_NDIM, *range(_H_SHAPE, _H_SHAPE + MAX_DIMS)]
+        if not bool((active[:, fields] == active[0, fields]).all()):
+            ranks = [int(r) for r in (headers[:, _H_ACTIVE] == 1).nonzero().flatten()]
+            described = "; ".join(f"rank {r}: {_describe(headers[r])}" for r in ranks)
+            raise RuntimeError(
+                "The active ranks called different collectives inside lite.join: "
+                f"{described}. Every rank must call the same collectives in the same order."
+            )
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        original = tensor
+        work = tensor.detach().to(device=self.device, dtype=wire_dtype(tensor.dtype, op), copy=True)
+        headers = self._open(_REDUCE, op, work)
+        active = int((headers[:, _H_ACTIVE] == 1).sum())
+        dist.all_reduce(work, op=TORCH_OPS[op])
+        if op == "mean":
+            work = work / active
+        elif original.dtype == torch.bool:
+            work = work.bool()
+        return work.to(original.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        work = tensor.detach().to(self.device).contiguous()
+        headers = self._open(_GATHER, "sum", work)
+        parts = [torch.empty_like(work) for _ in range(self.world_size)]
+        dist.all_gather(parts, work)
+        active = [r for r in range(self.world_size) if headers[r, _H_ACTIVE] == 1]
+        return torch.stack([parts[r] for r in active]).to(tensor.device)
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        payload: torch.Tensor | None = None
+        payload_kind = _PAYLOAD_TENSOR
+        if self.rank == src:
+            if isinstance(obj, torch.Tensor) and obj.dim() <= MAX_DIMS and obj.dtype in DTYPES:
+                payload = obj.detach().to(self.device).contiguous().clone()
+            else:
+                payload = to_bytes(obj).to(self.device)
+                payload_kind = _PAYLOAD_BYTES
+        headers = self._open(_BROADCAST, "sum", payload, src=src, payload=payload_kind)
+        if headers[src, _H_ACTIVE] != 1:
+            raise RuntimeError(
+                f"lite.broadcast(src={src}) inside lite.join: rank {src} has already run out of "
+                "data and left the join block, so it cannot send. Broadcast from a rank that "
+                "stays active (e.g. before the loop), or after the join block."
+            )
+        source = headers[src]
+        if payload is None:
+            payload = torch.empty(_shape(source), dtype=DTYPES[int(source[_H_DTYPE])], device=self.device)
+        dist.broadcast(payload, src=src)
+        if int(source[_H_PAYLOAD]) == _PAYLOAD_BYTES:
+            return from_bytes(payload)
+        return payload
+
+    def barrier(self) -> None:
+        self._open(_BARRIER)
+
+
+def _shape(header: torch.Tensor) -> list[int]:
+    ndim = int(header[_H_NDIM])
+    return [int(v) for v in header[_H_SHAPE : _H_SHAPE + ndim]]
+
+
+def _describe(header: torch.Tensor) -> str:
+    kind = {_REDUCE: "all_reduce", _GATHER: "all_gather", _BROADCAST: "broadcast", _BARRIER: "barrier"}.get(int(header[_H_KIND]), "?")
+    if kind == "all_reduce":
+        return f"all_reduce(op={_OPS[int(header[_H_OP])]!r}, shape={tuple(_shape(header))}, dtype={DTYPES[int(header[_H_DTYPE])]})"
+    if kind == "all_gather":
+        return f"all_gather(shape={tuple(_shape(header))}, dtype={DTYPES[int(header[_H_DTYPE])]})"
+    if kind == "broadcast":
+        return f"broadcast(src={int(header[_H_SRC])})"
+    return kind
+
+
+def _refuse_what_join_cannot_survive(joinables: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    from torch.distributed.optim import (
+        ZeroRedundancyOptimizer,  # lazy: ~0.25 s to import
+    )
+
+    for joinable in joinables:
+        if not isinstance(joinable, Joinable):
+            raise TypeError(
+                f"lite.join takes the models returned by lite.setup (or torch Joinables), got a "
+                f"{type(joinable).__name__}. Use `model = lite.setup(model)` and then "
+                "`with lite.join(model):`."
+            )
+    for obj in (*joinables, *optimizers):
+        if isinstance(obj, ZeroRedundancyOptimizer):
+            raise ValueError(
+                "lite.join cannot be used with torch's ZeroRedundancyOptimizer: its join hook "
+                "steps the joined ranks with stale gradients and the run ends with identical "
+                "but wrong parameters. Use a plain optimizer under strategy='ddp', or shard "
+                "optimizer state with strategy='fsdp' / 'deepspeed'."
+            )
+    for joinable in joinables:
+        if isinstance(joinable, DistributedDataParallel) and getattr(joinable, "static_graph", False):
+            raise ValueError(
+                "lite.join cannot be used with DDP's static_graph=True: with uneven inputs "
+                "torch aborts the process (gloo SIGABRT) when a rank has no batch or unused "
+                "parameters are searched. Use lite.DDPStrategy(static_graph=False) for runs "
+                "with uneven inputs."
+            )
