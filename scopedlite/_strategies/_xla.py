@@ -395,11 +395,7 @@ def _loader_class() -> type:
         def __iter__(self) -> Any:
             from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
-            for sampler in (self.loader.sampler, self.loader.batch_sampler):
-                set_epoch = getattr(sampler, "set_epoch", None)
-                if callable(set_epoch):
-                    set_epoch(self._epoch)
-            self._epoch += 1
+            self._start_pass()
             yield from MpDeviceLoader(self.loader, self.device)
 
     return XLADeviceDataLoader
