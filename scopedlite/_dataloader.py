@@ -83,6 +83,8 @@ class DeviceDataLoader:
         self.device = device
         self._passes = passes if passes is not None else _book_of(current())
         self._epoch = self._passes.next_epoch
+        self._holders = _epoch_holders(loader)
+        self._seen = _epochs_of(self._holders)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass (it then advances by one per pass)."""
@@ -90,11 +92,26 @@ class DeviceDataLoader:
 
     def _start_pass(self) -> None:
         """Hand this pass's epoch to every sampler of the loader that takes one."""
-        epoch = self._epoch
-        batch_sampler = self.loader.batch_sampler
-        forward_epoch(epoch, self.loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+        epoch = self._epoch_set_by_user()
+        if epoch is None:
+            epoch = self._epoch
+        forward_epoch(epoch, *self._holders)
+        self._seen = _epochs_of(self._holders)
         self._epoch = epoch + 1
         self._passes.began(epoch)
+
+    def _epoch_set_by_user(self) -> int | None:
+        """An epoch set on one of the loader's samplers since the last pass, if any.
+
+        A script ported from torchrun or Fabric calls ``sampler.set_epoch(epoch)`` itself (on
+        its own ``DistributedSampler``, or on ``loader.sampler``), possibly from a resumed
+        epoch. That value wins over our count, as it would without scopedlite.
+        """
+        for holder in self._holders:
+            epoch = getattr(holder, "epoch", None)
+            if isinstance(epoch, int) and epoch != self._seen.get(id(holder)):
+                return epoch
+        return None
 
     def __iter__(self) -> Iterator[Any]:
         self._start_pass()
@@ -109,9 +126,33 @@ class DeviceDataLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "_passes"):
+        if name in ("loader", "_passes", "_holders", "_seen"):
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+def _epoch_holders(loader: DataLoader) -> list[Any]:  # type: ignore[type-arg]
+    """Each distinct sampler of ``loader`` with ``set_epoch``: the sampler, the batch sampler,
+    and the user's samplers that ours wrap, so that the epoch reaches all of them."""
+    sampler, batch_sampler = loader.sampler, loader.batch_sampler
+    inner_batch_sampler = getattr(batch_sampler, "batch_sampler", None)
+    candidates = (
+        sampler,
+        getattr(sampler, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        inner_batch_sampler,
+        getattr(inner_batch_sampler, "sampler", None),
+    )
+    holders: list[Any] = []
+    for candidate in candidates:
+        if callable(getattr(candidate, "set_epoch", None)) and all(candidate is not h for h in holders):
+            holders.append(candidate)
+    return holders
+
+
+def _epochs_of(holders: list[Any]) -> dict[int, Any]:
+    return {id(holder): getattr(holder, "epoch", None) for holder in holders}
 
 
 def _refuse_unrebuildable(loader: DataLoader) -> None:  # type: ignore[type-arg]

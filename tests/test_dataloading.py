@@ -72,7 +72,7 @@ def ranks(request, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", CASES + ["rebuilt"])
+@pytest.mark.parametrize("case", CASES + ["rebuilt", "resumed"])
 def test_each_sample_once_inside_join_padded_count_outside(ranks, case):
     world = len(ranks)
     expected = EXPECTED_SETS.get(case, list(range(N)))
@@ -119,6 +119,15 @@ def test_a_loader_rebuilt_every_epoch_reshuffles_like_distributed_sampler(ranks)
             assert one["idx"] == reference(world, rank, start + p, True, 0)
         orders.append(ranks[0]["rebuilt"][p]["idx"])
     assert orders[0] != orders[1] and orders[2] != orders[3]
+
+
+def test_an_epoch_the_script_sets_on_its_own_sampler_wins(ranks):
+    world = len(ranks)
+    for p in range(4):
+        for rank, r in enumerate(ranks):
+            one = r["resumed"][p]
+            reference = unpadded if one["join"] else distributed_order
+            assert one["idx"] == reference(world, rank, 20 + p, True, 5), (p, rank)
 
 
 def test_set_epoch_reaches_the_users_sampler(ranks):
@@ -259,6 +268,21 @@ def test_one_process_counts_passes_across_rebuilt_loaders_and_reaches_the_inner_
         list(kept)
     assert epochs.epochs == [0, 1, 10]  # through loader.batch_sampler.sampler
     assert rebuilt == [distributed_order(1, 0, e, True, 0, 4) for e in (2, 3, 4)]
+
+
+def test_one_process_an_epoch_set_on_the_users_sampler_wins_and_the_count_continues():
+    with lite.launch(accelerator="cpu"):
+        other = lite.setup_dataloader(DataLoader(range(4)))
+        list(other)
+        list(other)  # the run's count is now at 2
+        sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True)
+        loader = lite.setup_dataloader(DataLoader(range(8), sampler=sampler))
+        got = []
+        for epoch in (5, 6, None):  # resumed at 5, as a torchrun script does; then counted
+            if epoch is not None:
+                sampler.set_epoch(epoch)
+            got.append([int(i) for i in loader])
+    assert got == [distributed_order(1, 0, e, True, 0, 8) for e in (5, 6, 7)]
 
 
 def test_drawing_an_order_leaves_the_users_generators_alone():

@@ -106,13 +106,16 @@ def one_pass(loader):
     return {"idx": seen, "len": len(loader)}
 
 
-def read(make, rebuild=False):
-    """Two passes outside join, two inside; `make` builds a fresh DataLoader."""
+def read(make, rebuild=False, before=None):
+    """Two passes outside join, two inside; `make` builds a fresh DataLoader; `before(p)` runs
+    before pass p."""
     loader = lite.setup_dataloader(make())
     passes = []
-    for inside in (False, False, True, True):
+    for p, inside in enumerate((False, False, True, True)):
         if rebuild:
             loader = lite.setup_dataloader(make())
+        if before is not None:
+            before(p)
         if inside:
             with lite.join():
                 passes.append(dict(one_pass(loader), join=True))
@@ -135,6 +138,9 @@ CASES = {
 with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60) as run:
     record = {name: read(make) for name, make in CASES.items()}
     record["rebuilt"] = read(CASES["shuffle"], rebuild=True)
+    # torchrun style, resumed at epoch 20: the script sets its own sampler's epoch every pass
+    resumed = DistributedSampler(Indexed(), shuffle=True, seed=5)
+    record["resumed"] = read(lambda: DataLoader(Indexed(), batch_size=2, sampler=resumed), before=lambda p: resumed.set_epoch(20 + p))
 
     try:
         lite.setup_dataloader(DataLoader(Indexed(), sampler=Endless()))
