@@ -14,6 +14,7 @@ from torch.utils.data import (
 )
 
 from scopedlite._collectives import broadcast
+from scopedlite._rank_zero import in_rank_zero_first
 from scopedlite._run import Run, current
 from scopedlite._sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
 from scopedlite._seed import SeedWorker, current_seed
@@ -215,6 +216,12 @@ def _shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int) -> 
 def _agreed_seed() -> int:
     """Rank 0's ``seed_everything`` seed: ranks that seeded differently (say, per rank, for
     augmentation) must still draw one order, or samples are lost and others repeated."""
+    if in_rank_zero_first():
+        raise RuntimeError(
+            "lite.setup_dataloader was called inside lite.rank_zero_first(): it agrees on the "
+            "shuffle seed with the other ranks, which wait for this block to end, so the run "
+            "would hang. Build the dataset inside the block and call setup_dataloader after it."
+        )
     return int(broadcast(current_seed(), src=0))
 
 

@@ -11,7 +11,7 @@ from scopedlite._collectives import barrier
 from scopedlite._run import current
 from scopedlite._scope import Scope
 
-__all__ = ["print", "rank_zero_first"]
+__all__ = ["in_rank_zero_first", "print", "rank_zero_first"]
 
 _first_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.rank_zero_first", default=None)
 
@@ -50,6 +50,12 @@ def rank_zero_first(local: bool = False) -> _RankZeroFirst:
     process is one of those that go first.
     """
     return _RankZeroFirst(local)
+
+
+def in_rank_zero_first() -> bool:
+    """Whether a ``rank_zero_first`` block is open here: the other ranks are then waiting
+    for it to end, so no collective may be called in it."""
+    return _first_var.get() is not None
 
 
 def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - the name users expect

@@ -66,7 +66,7 @@ def ranks(request, tmp_path_factory):
     env = dict(_env(), OUT=str(out))
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "data_order.py"), str(request.param)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=str(out.parent),
+        capture_output=True, text=True, timeout=120, env=env, cwd=str(out.parent), check=False,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
@@ -168,6 +168,19 @@ def test_worker_seeds_differ_per_rank_worker_and_pass(ranks):
     draws = [r["draws"] for r in ranks]
     values = [v for rank in draws for one_pass in rank for item in one_pass for v in item]
     assert len(set(values)) == len(values), "two workers (or ranks, or passes) drew the same numbers"
+
+
+def test_setup_dataloader_inside_rank_zero_first_is_an_error_not_a_hang(run_python):
+    code = (
+        "import torch, scopedlite as lite\n"
+        "with lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=30):\n"
+        "    with lite.rank_zero_first():\n"
+        "        lite.setup_dataloader(torch.utils.data.DataLoader(range(4)))\n"
+    )
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 1, result.explain()
+    assert "setup_dataloader was called inside lite.rank_zero_first()" in result.stderr
+    assert result.seconds < 25
 
 
 # -- in this process -------------------------------------------------------------------------
