@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+)
 
+from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
-from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler
-from scopedlite._api.seed import current_seed
+from scopedlite._api.rank_zero import in_rank_zero_first
+from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
+from scopedlite._api.seed import SeedWorker, current_seed
+from scopedlite._core.run import Run
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsDeviceFeed
 
@@ -30,12 +39,46 @@ _CARRIED = (
 )
 
 
+class _PassBook:
+    """The epoch the next loader of a run starts at: one more than the last epoch any of the
+    run's loaders has begun.
+
+    A loader counts its own passes from there. Loaders built once (train and validation side
+    by side) count 0, 1, 2, ... as Lightning Fabric's do, and a loader rebuilt every epoch
+    (k-fold) continues the count instead of starting at 0 again, which would repeat the same
+    order every epoch. The count follows only the program's own calls, so every rank agrees.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.next_epoch = 0
+
+    def began(self, epoch: int) -> None:
+        self.next_epoch = max(self.next_epoch, epoch + 1)
+
+
+_books: contextvars.ContextVar[_PassBook | None] = contextvars.ContextVar("scopedlite.passes", default=None)
+
+
+def _book_of(run: Run) -> _PassBook:
+    book = _books.get()
+    if book is None or book.run is not run:
+        book = _PassBook(run)
+        _books.set(book)
+    return book
+
+
 class DeviceDataLoader:
     """A loader whose batches arrive on the run's device, with the epoch advanced per pass.
 
     Attribute access falls through to the wrapped ``DataLoader`` (``dataset``,
     ``batch_size``, ``sampler``, ...). ``len()`` reads the scope: inside ``lite.join`` it is
     this rank's exact number of batches, outside the padded one.
+
+    Args:
+        loader: The loader to wrap.
+        device: Where batches are moved; ``None`` leaves them where they are.
+        passes: The run's pass count (see :class:`_PassBook`); the active run's by default.
     """
 
     def __init__(
@@ -43,22 +86,45 @@ class DeviceDataLoader:
         loader: DataLoader,  # type: ignore[type-arg]
         device: torch.device | None,
         feed: Callable[[Iterable[Any]], Iterator[Any]] | None = None,
+        passes: _PassBook | None = None,
     ) -> None:
         self.loader = loader
         self.device = device
         self.feed = feed  # the strategy's own way to the device (XLA's MpDeviceLoader)
-        self._epoch = 0
+        self._passes = passes if passes is not None else _book_of(current())
+        self._epoch = self._passes.next_epoch
+        self._holders = _epoch_holders(loader)
+        self._seen = _epochs_of(self._holders)
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass (it then advances by one per pass)."""
         self._epoch = epoch
 
+    def _start_pass(self) -> None:
+        """Hand this pass's epoch to every sampler of the loader that takes one."""
+        epoch = self._epoch_set_by_user()
+        if epoch is None:
+            epoch = self._epoch
+        forward_epoch(epoch, *self._holders)
+        self._seen = _epochs_of(self._holders)
+        self._epoch = epoch + 1
+        self._passes.began(epoch)
+
+    def _epoch_set_by_user(self) -> int | None:
+        """An epoch set on one of the loader's samplers since the last pass, if any.
+
+        A script ported from torchrun or Fabric calls ``sampler.set_epoch(epoch)`` itself (on
+        its own ``DistributedSampler``, or on ``loader.sampler``), possibly from a resumed
+        epoch. That value wins over our count, as it would without scopedlite.
+        """
+        for holder in self._holders:
+            epoch = getattr(holder, "epoch", None)
+            if isinstance(epoch, int) and epoch != self._seen.get(id(holder)):
+                return epoch
+        return None
+
     def __iter__(self) -> Iterator[Any]:
-        for sampler in (self.loader.sampler, self.loader.batch_sampler):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(self._epoch)
-        self._epoch += 1
+        self._start_pass()
         if self.feed is not None:
             yield from self.feed(self.loader)
             return
@@ -73,12 +139,36 @@ class DeviceDataLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "loader":
+        if name in ("loader", "_passes", "_holders", "_seen"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
 
-def _shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int) -> DataLoader:  # type: ignore[type-arg]
+def _epoch_holders(loader: DataLoader) -> list[Any]:  # type: ignore[type-arg]
+    """Each distinct sampler of ``loader`` with ``set_epoch``: the sampler, the batch sampler,
+    and the user's samplers that ours wrap, so that the epoch reaches all of them."""
+    sampler, batch_sampler = loader.sampler, loader.batch_sampler
+    inner_batch_sampler = getattr(batch_sampler, "batch_sampler", None)
+    candidates = (
+        sampler,
+        getattr(sampler, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        inner_batch_sampler,
+        getattr(inner_batch_sampler, "sampler", None),
+    )
+    holders: list[Any] = []
+    for candidate in candidates:
+        if callable(getattr(candidate, "set_epoch", None)) and all(candidate is not h for h in holders):
+            holders.append(candidate)
+    return holders
+
+
+def _epochs_of(holders: list[Any]) -> dict[int, Any]:
+    return {id(holder): getattr(holder, "epoch", None) for holder in holders}
+
+
+def _refuse_unrebuildable(loader: DataLoader) -> None:  # type: ignore[type-arg]
     if type(loader) is not DataLoader:
         raise TypeError(
             f"setup_dataloader rebuilds the loader around a distributed sampler and cannot "
@@ -94,25 +184,57 @@ def _shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int) -> 
             "share itself (lite.current().global_rank / world_size), then call "
             "setup_dataloader(loader, use_distributed_sampler=False)."
         )
+
+
+def _already_sharded(sampler: Any) -> bool:
+    """A ``DistributedSampler`` subclass shards by itself in a way we cannot read: kept as it
+    is. (A plain ``DistributedSampler`` is taken over by :class:`ShardedSampler` instead.)"""
+    return isinstance(sampler, DistributedSampler) and type(sampler) is not DistributedSampler
+
+
+def _carried(loader: DataLoader, rank: int) -> dict[str, Any]:  # type: ignore[type-arg]
+    """The loader's own arguments, with workers seeded per rank (see :class:`SeedWorker`)."""
     kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["worker_init_fn"] = SeedWorker(rank, loader.worker_init_fn)
+    return kwargs
+
+
+def _shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int) -> DataLoader:  # type: ignore[type-arg]
+    kwargs = _carried(loader, rank)
     batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is BatchSampler:
-        sampler = ShardedSampler(batch_sampler.sampler, rank, world_size, seed)  # type: ignore[arg-type]
+    if batch_sampler is None:  # batch_size=None: the loader yields single samples
+        sampler = loader.sampler
+        if not _already_sharded(sampler):
+            sampler = ShardedSampler(sampler, rank, world_size, seed)  # type: ignore[arg-type]
+        return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)
+    inner = getattr(batch_sampler, "sampler", None)
+    if type(batch_sampler) is BatchSampler:
+        if not _already_sharded(inner):
+            inner = ShardedSampler(inner, rank, world_size, seed)  # type: ignore[arg-type]
         return DataLoader(
             loader.dataset,
             batch_size=batch_sampler.batch_size,
             drop_last=batch_sampler.drop_last,
-            sampler=sampler,
+            sampler=inner,
             **kwargs,
         )
-    if batch_sampler is not None:
-        sharded = ShardedBatchSampler(batch_sampler, rank, world_size, seed)  # type: ignore[arg-type]
-        return DataLoader(loader.dataset, batch_sampler=sharded, **kwargs)
-    # batch_size=None: the loader yields single samples
-    sampler = ShardedSampler(loader.sampler, rank, world_size, seed)  # type: ignore[arg-type]
-    return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **kwargs)
+    if not isinstance(inner, DistributedSampler):
+        batch_sampler = ShardedBatchSampler(batch_sampler, rank, world_size, seed)  # type: ignore[arg-type]
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
+
+
+def _agreed_seed() -> int:
+    """Rank 0's ``seed_everything`` seed: ranks that seeded differently (say, per rank, for
+    augmentation) must still draw one order, or samples are lost and others repeated."""
+    if in_rank_zero_first():
+        raise RuntimeError(
+            "lite.setup_dataloader was called inside lite.rank_zero_first(): it agrees on the "
+            "shuffle seed with the other ranks, which wait for this block to end, so the run "
+            "would hang. Build the dataset inside the block and call setup_dataloader after it."
+        )
+    return int(broadcast(current_seed(), src=0))
 
 
 def setup_dataloader(
@@ -122,10 +244,19 @@ def setup_dataloader(
 ) -> Any:
     """Prepare loaders for the active run: shard them across ranks, move batches to the device.
 
-    The loader's own sampler is kept and sharded (see :class:`ShardedSampler`): padded to
-    even counts outside ``lite.join``, exact inside it. The shuffle seed is the
-    ``seed_everything`` seed (0 if never called) and the epoch advances each time the loader
-    is iterated, so shuffling differs per epoch and matches across ranks.
+    With more than one process the loader is rebuilt around :class:`ShardedSampler` (or
+    :class:`ShardedBatchSampler` for a custom batch sampler): padded to even counts outside
+    ``lite.join``, every sample once inside it. A plain shuffle or no shuffle reads exactly
+    ``DistributedSampler``'s order, a user's ``DistributedSampler`` is taken over rather than
+    sharded twice, and other samplers keep their own order, drawn under generators seeded
+    alike on every rank. The shuffle seed is rank 0's ``seed_everything`` seed (0 if never
+    called), agreed here once. The epoch advances each pass and continues across loaders
+    rebuilt every epoch. Workers are seeded per (base seed, worker, rank).
+
+    Raises:
+        TypeError: A loader is not a ``DataLoader``; or, when sharding, is a subclass, reads
+            an ``IterableDataset``, or has a sampler or batch sampler without ``__len__``.
+        ValueError: A ``DistributedSampler`` in the loader was built for another rank/world.
 
     Returns:
         One loader, or a tuple when several are given.
@@ -133,12 +264,17 @@ def setup_dataloader(
     if not loaders:
         raise TypeError("setup_dataloader needs at least one DataLoader: `lite.setup_dataloader(loader)`.")
     run = current()
-    prepared = []
+    shard = use_distributed_sampler and run.world_size > 1
     for loader in loaders:
         if not isinstance(loader, DataLoader):
             raise TypeError(f"setup_dataloader takes torch DataLoaders, got {type(loader).__name__}.")
-        if use_distributed_sampler and run.world_size > 1:
-            loader = _shard_loader(loader, run.global_rank, run.world_size, current_seed())
+        if shard:
+            _refuse_unrebuildable(loader)
+    seed = _agreed_seed() if shard else current_seed()
+    prepared = []
+    for loader in loaders:
+        if shard:
+            loader = _shard_loader(loader, run.global_rank, run.world_size, seed)
         strategy = run.strategy
         feed = strategy.device_batches if move_to_device and isinstance(strategy, SupportsDeviceFeed) else None
         prepared.append(DeviceDataLoader(loader, run.device if move_to_device else None, feed))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextvars
 from types import TracebackType
 from typing import Any
 
@@ -10,10 +11,15 @@ from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
 from scopedlite._core.scope import Scope
 
-__all__ = ["print", "rank_zero_first"]
+__all__ = ["in_rank_zero_first", "print", "rank_zero_first"]
+
+
+_first_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.rank_zero_first", default=None)
 
 
 class _RankZeroFirst(Scope[bool]):
+    _var = _first_var
+
     def __init__(self, local: bool) -> None:
         self.local = bool(local)
 
@@ -45,6 +51,12 @@ def rank_zero_first(local: bool = False) -> _RankZeroFirst:
     process is one of those that go first.
     """
     return _RankZeroFirst(local)
+
+
+def in_rank_zero_first() -> bool:
+    """Whether a ``rank_zero_first`` block is open here: the other ranks are then waiting
+    for it to end, so no collective may be called in it."""
+    return _first_var.get() is not None
 
 
 def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - the name users expect

@@ -1,0 +1,328 @@
+"""Data loading loses, repeats and reorders nothing (issue 15).
+
+One launched script per world size (tests/scripts/data_order.py) reads every everyday kind of
+loader for two passes outside ``lite.join`` and two inside; the test checks each sample is
+read exactly once per pass inside join, the padded count outside, and ``DistributedSampler``'s
+exact order where the contract promises it. The rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import SCRIPTS, _env
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+import scopedlite as lite
+from scopedlite import ShardedBatchSampler, ShardedSampler
+from scopedlite._api.seed import SeedWorker, seeded_generators
+
+pytestmark = pytest.mark.timeout(150)
+
+N = 11
+# the order of CASES in the script: each case's loader is set up after the previous case's
+# four passes, so its first pass continues the run's count (see docs/api.md)
+CASES = ["plain", "shuffle", "distributed", "batch_sampler", "custom_batches", "subset", "by_epoch", "workers"]
+EXPECTED_SETS = {"subset": sorted(set(range(N)) - {4})}
+BATCH = {"batch_sampler": 3, "custom_batches": 3, "by_epoch": 1}
+
+
+def distributed_order(world, rank, epoch, shuffle, seed, n=N):
+    """What torch's own DistributedSampler gives rank `rank` (padded, drop_last=False)."""
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def unpadded(world, rank, epoch, shuffle, seed, n=N):
+    """The same permutation inside join: strided, without the padding."""
+    return distributed_order(1, 0, epoch, shuffle, seed, n)[rank::world]
+
+
+def batch_count(items, batch):
+    return math.ceil(items / batch)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def ranks(request, tmp_path_factory):
+    """Every rank's record from one launch: one launch per world size serves every check
+    below, since real processes are the expensive part."""
+    out = tmp_path_factory.mktemp("data") / "out.json"
+    env = dict(_env(), OUT=str(out))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "data_order.py"), str(request.param)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=str(out.parent), check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CASES + ["rebuilt", "resumed"])
+def test_each_sample_once_inside_join_padded_count_outside(ranks, case):
+    world = len(ranks)
+    expected = EXPECTED_SETS.get(case, list(range(N)))
+    batch = BATCH.get(case, 2)
+    for p in range(4):
+        passes = [r[case][p] for r in ranks]
+        seen = [i for one in passes for i in one["idx"]]
+        if passes[0]["join"]:
+            assert sorted(seen) == expected, (case, p, [one["idx"] for one in passes])
+            assert [one["len"] for one in passes] == [
+                batch_count(len(one["idx"]), batch) for one in passes
+            ]
+        elif case == "custom_batches":  # whole batches dealt out, padded with whole batches
+            assert set(seen) == set(expected)
+            assert [one["len"] for one in passes] == [math.ceil(batch_count(N, 3) / world)] * world
+        else:
+            per_rank = math.ceil(len(expected) / world)
+            assert [len(one["idx"]) for one in passes] == [per_rank] * world, (case, p)
+            assert set(seen) == set(expected)
+            assert {one["len"] for one in passes} == {batch_count(per_rank, batch)}
+
+
+@pytest.mark.parametrize(("case", "shuffle", "seed"), [
+    ("plain", False, 0), ("shuffle", True, 0), ("distributed", True, 5), ("workers", True, 0),
+])
+def test_distributed_sampler_order_outside_join_and_unpadded_inside(ranks, case, shuffle, seed):
+    world = len(ranks)
+    start = 4 * CASES.index(case)
+    for p in range(4):
+        for rank, r in enumerate(ranks):
+            one = r[case][p]
+            reference = unpadded if one["join"] else distributed_order
+            assert one["idx"] == reference(world, rank, start + p, shuffle, seed), (case, p, rank)
+
+
+def test_a_loader_rebuilt_every_epoch_reshuffles_like_distributed_sampler(ranks):
+    world = len(ranks)
+    start = 4 * len(CASES)
+    orders = []
+    for p in range(4):
+        for rank, r in enumerate(ranks):
+            one = r["rebuilt"][p]
+            reference = unpadded if one["join"] else distributed_order
+            assert one["idx"] == reference(world, rank, start + p, True, 0)
+        orders.append(ranks[0]["rebuilt"][p]["idx"])
+    assert orders[0] != orders[1] and orders[2] != orders[3]
+
+
+def test_an_epoch_the_script_sets_on_its_own_sampler_wins(ranks):
+    world = len(ranks)
+    for p in range(4):
+        for rank, r in enumerate(ranks):
+            one = r["resumed"][p]
+            reference = unpadded if one["join"] else distributed_order
+            assert one["idx"] == reference(world, rank, 20 + p, True, 5), (p, rank)
+
+
+def test_set_epoch_reaches_the_users_sampler(ranks):
+    world = len(ranks)
+    start = 4 * CASES.index("by_epoch")
+    for p in range(4):
+        order = [(i + start + p) % N for i in range(N)]
+        for rank, r in enumerate(ranks):
+            one = r["by_epoch"][p]
+            if one["join"]:
+                assert one["idx"] == order[rank::world]
+
+
+def test_shuffling_samplers_change_order_per_pass(ranks):
+    for case in ("shuffle", "distributed", "batch_sampler", "custom_batches", "subset", "workers"):
+        outside = [tuple(i for r in ranks for i in r[case][p]["idx"]) for p in (0, 1)]
+        inside = [tuple(i for r in ranks for i in r[case][p]["idx"]) for p in (2, 3)]
+        assert outside[0] != outside[1] or inside[0] != inside[1], case
+
+
+def test_ranks_seeded_differently_still_share_one_order(ranks):
+    world = len(ranks)
+    seen = [r["reseeded"][0]["idx"] for r in ranks]
+    assert sorted({i for s in seen for i in s}) == list(range(N))
+    assert any(
+        seen == [distributed_order(world, rank, epoch, True, 100) for rank in range(world)]
+        for epoch in range(64)
+    ), "not DistributedSampler's order under rank 0's seed"
+
+
+def test_an_endless_sampler_is_refused_at_setup(ranks):
+    for r in ranks:
+        assert "Endless has no __len__" in r["endless"]
+        assert "use_distributed_sampler=False" in r["endless"]
+
+
+def test_worker_seeds_differ_per_rank_worker_and_pass(ranks):
+    draws = [r["draws"] for r in ranks]
+    values = [v for rank in draws for one_pass in rank for item in one_pass for v in item]
+    assert len(set(values)) == len(values), "two workers (or ranks, or passes) drew the same numbers"
+
+
+def test_setup_dataloader_inside_rank_zero_first_is_an_error_not_a_hang(run_python):
+    code = (
+        "import torch, scopedlite as lite\n"
+        "with lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=30):\n"
+        "    with lite.rank_zero_first():\n"
+        "        lite.setup_dataloader(torch.utils.data.DataLoader(range(4)))\n"
+    )
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 1, result.explain()
+    assert "setup_dataloader was called inside lite.rank_zero_first()" in result.stderr
+    assert result.seconds < 25
+
+
+# -- in this process -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 7, 10])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_sharded_sampler_equals_distributed_sampler(world, n, shuffle):
+    base = RandomSampler(range(n)) if shuffle else SequentialSampler(range(n))
+    for epoch in (0, 3):
+        for rank in range(world):
+            ours = ShardedSampler(base, rank, world, seed=11)
+            ours.set_epoch(epoch)
+            assert list(ours) == distributed_order(world, rank, epoch, shuffle, 11, n)
+            assert len(ours) == len(list(ours))
+            with lite.join():
+                assert list(ours) == unpadded(world, rank, epoch, shuffle, 11, n)
+                assert len(ours) == len(list(ours))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_users_distributed_sampler_is_taken_over_not_sharded_twice(drop_last):
+    for rank in range(3):
+        users = DistributedSampler(range(10), num_replicas=3, rank=rank, shuffle=True, seed=4, drop_last=drop_last)
+        ours = ShardedSampler(users, rank, 3, seed=99)  # the sampler's own seed wins
+        ours.set_epoch(2)
+        assert users.epoch == 2
+        assert list(ours) == list(users) and len(ours) == len(users)
+        with lite.join():
+            assert list(ours) == unpadded(3, rank, 2, True, 4, 10)
+
+
+def test_a_distributed_sampler_for_another_world_is_refused():
+    with pytest.raises(ValueError, match="num_replicas=2, rank=1, but this process is rank 0 of 3"):
+        ShardedSampler(DistributedSampler(range(10), num_replicas=2, rank=1), 0, 3)
+
+    class Mine(DistributedSampler):
+        pass
+
+    with pytest.raises(TypeError, match="already shards"):
+        ShardedSampler(Mine(range(10), num_replicas=3, rank=0), 0, 3)
+
+
+class _NoLength(Sampler):
+    def __iter__(self):
+        while True:
+            yield 0
+
+
+def test_a_sampler_without_len_is_refused_not_drained():
+    with pytest.raises(TypeError, match="sampler=_NoLength has no __len__.*use_distributed_sampler=False"):
+        ShardedSampler(_NoLength(), 0, 2)
+    with pytest.raises(TypeError, match="batch_sampler=BatchSampler has no __len__"):
+        ShardedBatchSampler(BatchSampler(_NoLength(), 2, False), 0, 2)
+
+
+class _Epochs(Sampler):
+    def __init__(self):
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter(range(4))
+
+    def __len__(self):
+        return 4
+
+
+def test_set_epoch_is_passed_on_by_the_sharded_samplers():
+    inner = _Epochs()
+    ShardedSampler(inner, 0, 2).set_epoch(5)
+    batches = BatchSampler(_Epochs(), 2, False)
+
+    class Mine(BatchSampler):
+        pass
+
+    custom = Mine(batches.sampler, 2, False)
+    ShardedBatchSampler(custom, 0, 2).set_epoch(6)
+    assert inner.epochs == [5] and batches.sampler.epochs == [6]
+
+
+def test_one_process_counts_passes_across_rebuilt_loaders_and_reaches_the_inner_sampler():
+    with lite.launch(strategy="single", accelerator="cpu"):
+        epochs = _Epochs()
+        kept = lite.setup_dataloader(DataLoader(range(4), sampler=epochs, batch_size=2))
+        list(kept)
+        list(kept)
+        rebuilt = []
+        for _ in range(3):  # a loader built per epoch continues the run's count
+            sampler = DistributedSampler(range(4), num_replicas=1, rank=0, shuffle=True)
+            loader = lite.setup_dataloader(DataLoader(range(4), sampler=sampler, batch_size=2))
+            rebuilt.append([i for b in loader for i in b.tolist()])
+            assert sampler.epoch == 2 + len(rebuilt) - 1
+        kept.set_epoch(10)
+        list(kept)
+    assert epochs.epochs == [0, 1, 10]  # through loader.batch_sampler.sampler
+    assert rebuilt == [distributed_order(1, 0, e, True, 0, 4) for e in (2, 3, 4)]
+
+
+def test_one_process_an_epoch_set_on_the_users_sampler_wins_and_the_count_continues():
+    with lite.launch(accelerator="cpu"):
+        other = lite.setup_dataloader(DataLoader(range(4)))
+        list(other)
+        list(other)  # the run's count is now at 2
+        sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True)
+        loader = lite.setup_dataloader(DataLoader(range(8), sampler=sampler))
+        got = []
+        for epoch in (5, 6, None):  # resumed at 5, as a torchrun script does; then counted
+            if epoch is not None:
+                sampler.set_epoch(epoch)
+            got.append([int(i) for i in loader])
+    assert got == [distributed_order(1, 0, e, True, 0, 8) for e in (5, 6, 7)]
+
+
+def test_drawing_an_order_leaves_the_users_generators_alone():
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(()).item())
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    with seeded_generators(123):
+        inside = (random.random(), np.random.rand(), torch.rand(()).item())
+    assert (random.random(), np.random.rand(), torch.rand(()).item()) == expected
+    with seeded_generators(123):
+        assert (random.random(), np.random.rand(), torch.rand(()).item()) == inside
+
+
+def test_worker_init_composes_with_the_users_and_pickles():
+    called = []
+    pickle.dumps(SeedWorker(3, None))
+
+    def draw(rank, worker=1, base=41):
+        torch.manual_seed(base + worker)  # what torch does in worker `worker` before init
+        SeedWorker(rank, called.append)(worker)
+        return (torch.rand(()).item(), random.random(), np.random.rand())
+
+    with seeded_generators(0):
+        assert draw(3) == draw(3)  # deterministic per (base seed, worker, rank)
+        assert len({draw(3), draw(4), draw(3, worker=2), draw(3, base=42)}) == 4
+    assert called == [1, 1, 1, 1, 2, 1]
