@@ -198,6 +198,9 @@ def test_zero3_sharded_init_checkpoint_and_refusals(script, tmp_path):
     assert result.returncode == 0, result.explain()
     out = result.json()
 
+    # Built inside sharded_init in the run's dtype on every rank (float32 for "32-true").
+    assert out["dtypes"] == ["torch.float32"]
+    assert out["float32_on_every_rank"] == [True, True]
     # Built inside sharded_init: each rank holds half of every parameter, never the whole.
     full = sum(s["full"] for s in out["shards"])
     assert full == 32 * 64 + 64 + 64 * 64 + 64 + 64 + 1

@@ -47,6 +47,11 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
         {"full": p.ds_numel, "local": p.ds_tensor.numel(), "materialised": p.numel()}
         for p in model.parameters()
     ]
+    # "32-true" builds float32 shards on every rank, whatever fp16 support DeepSpeed's CPU
+    # accelerator reports on this machine (zero.Init ignores an explicit dtype where it
+    # reports none, and built bfloat16 shards there).
+    local_dtypes = sorted({str(p.dtype) for p in model.parameters()} | {str(p.ds_tensor.dtype) for p in model.parameters()})
+    all_dtypes = lite.all_gather(torch.tensor([len(local_dtypes) == 1 and local_dtypes[0] == "torch.float32"]))
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         built = [p.detach().flatten().tolist() for p in model.parameters()]
 
@@ -105,6 +110,8 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
         "rest": rest,
         "refusals": refusals,
         "sum_local": lite.all_reduce(sum(s["local"] for s in shards)),
+        "dtypes": local_dtypes,
+        "float32_on_every_rank": all_dtypes.flatten().tolist(),
     }
     result = lite.broadcast(result, src=0)
 

@@ -257,7 +257,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self.deepspeed.zero.Init(
                 config_dict_or_path=copy.deepcopy(self.config),
                 remote_device="cpu" if self.offload_parameters else None,
-                dtype=self.half_dtype or torch.float32,
+                # None: the config decides (bf16 / fp16 / fp32). An explicit dtype is ignored
+                # by DeepSpeed 0.19 wherever its accelerator reports no fp16 support (it then
+                # builds bfloat16 parameters for a "32-true" run).
+                dtype=None,
             )
         )
         if empty:
