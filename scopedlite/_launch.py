@@ -223,15 +223,32 @@ class _Launch(Scope[Run]):
             time.sleep(0.01)
 
     def _create_store(self, plan: Plan) -> Any:
+        """Rank 0's rendezvous store, listening on 127.0.0.1 only.
+
+        Every rank of a run we start is on this machine, so no other host has any business
+        with the store. torch's ``TCPStore`` binds every interface when it opens the port
+        itself; handed a socket already bound to the loopback address, it listens there.
+        """
+        import socket
+
         import torch.distributed as dist
 
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(128)
+            port = listener.getsockname()[1]
+        except BaseException:
+            listener.close()
+            raise
         return dist.TCPStore(
             "127.0.0.1",
-            0,
+            port,
             plan.world_size,
             is_master=True,
             timeout=plan.timeout,
             wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns (and closes) it from here
         )
 
     def _start_forked_child(self, plan: Plan, child: ForkChild, threads: int) -> Run:

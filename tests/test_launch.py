@@ -368,3 +368,30 @@ def test_a_second_sigterm_stops_at_once(tmp_path):
     proc.communicate(timeout=15)
     assert proc.returncode == 128 + signal.SIGTERM
     _assert_no_survivors([int(open(f"{out}.pid{r}").read()) for r in (0, 1)])
+
+
+LISTENING = """
+import json, os, psutil, scopedlite as lite
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+    lite.barrier()  # every rank's store connection and gloo pairs are up
+    if run.is_global_zero:
+        procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+        seen = [
+            [p.pid, c.laddr.ip, c.laddr.port]
+            for p in procs
+            for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        json.dump({"listening": seen, "pids": [p.pid for p in procs]}, open(os.environ["OUT"], "w"))
+    lite.barrier()
+"""
+
+
+def test_a_local_run_listens_on_the_loopback_address_only(run_python):
+    result = run_python("-c", LISTENING)
+    assert result.returncode == 0, result.explain()
+    out = result.json()
+    assert len(out["pids"]) == 2
+    assert out["listening"], "the store should be listening"
+    exposed = [s for s in out["listening"] if s[1] not in ("127.0.0.1", "::1")]
+    assert not exposed, f"listening on more than the loopback address: {exposed}"
