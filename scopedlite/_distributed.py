@@ -13,6 +13,7 @@ import ctypes
 import datetime
 import io
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -87,7 +88,13 @@ def init_process_group(
             # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
             # died before joining can be noticed, instead of inside torch's blocking rendezvous.
             store.set(ready_key(rank), "1")
+    hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    if world.source == "scopedlite":
+        # torch replaces sys.excepthook with one that prefixes every line with "[rankN]:", for
+        # good. Rank 0 of a run we start is the user's own process and stays unprefixed; our
+        # workers prefix their lines themselves ("[rank N] ", scopedlite._output).
+        sys.excepthook = hook
 
 
 def ready_key(rank: int) -> str:

@@ -315,16 +315,27 @@ class _Launch(Scope[Run]):
             # SystemExit could be caught by the user's own try/except around the block.
             os._exit(code)
 
-    def _write_traceback(self, exc: BaseException) -> None:
+    def _write_traceback(self, exc: BaseException, reason: str | None = None) -> None:
+        """Hand rank 0 this worker's traceback, and one line saying what happened.
+
+        The line is the exception's own first line (``raised ValueError: bad batch``), not
+        the traceback's last one, which may be a continuation of a multi-line message (a
+        pytest assertion's ``+  where ...``).
+        """
         path = getattr(self, "_error_file", None) or os.environ.get(ENV.ERROR_FILE)
         if not path:
             traceback.print_exception(exc)
             return
-        text = "".join(traceback.format_exception(exc))
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        if reason is None:
+            line = "".join(traceback.format_exception_only(exc)).strip().splitlines()
+            reason = "raised " + (line[0] if line else type(exc).__name__)
+        if len(reason) > 300:
+            reason = reason[:297] + "..."
+        for name, text in ((f"{path}.reason", reason), (path, "".join(traceback.format_exception(exc)))):
+            tmp = f"{name}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, name)  # the reason first: once the traceback is there, both are
 
     def _final_barrier(self) -> None:
         if self.run.world_size > 1:

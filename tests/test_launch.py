@@ -395,3 +395,26 @@ def test_a_local_run_listens_on_the_loopback_address_only(run_python):
     assert out["listening"], "the store should be listening"
     exposed = [s for s in out["listening"] if s[1] not in ("127.0.0.1", "::1")]
     assert not exposed, f"listening on more than the loopback address: {exposed}"
+
+
+def test_summary_is_the_exception_line_and_rank_zero_tracebacks_are_unprefixed(run_python):
+    code = textwrap.dedent(
+        """
+        import scopedlite as lite
+        try:
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+                lite.barrier()
+                if run.global_rank == 1:  # a pytest assertion: its message goes on for lines
+                    raise AssertionError("assert 1 == 2.\\n +  where 1 = Run(global_rank=1)")
+                lite.barrier()
+        except lite.WorkerFailedError as e:
+            print("SUMMARY", str(e).splitlines()[0])
+        raise ValueError("uncaught on rank 0")
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 1
+    summary = next(l for l in result.stdout.splitlines() if l.startswith("SUMMARY"))
+    assert summary == "SUMMARY rank 1 raised AssertionError: assert 1 == 2. The other ranks were stopped."
+    assert "ValueError: uncaught on rank 0" in result.stderr
+    assert "[rank0]" not in result.stderr, result.stderr

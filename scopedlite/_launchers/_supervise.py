@@ -37,6 +37,9 @@ class RankFailure:
     rank: int
     exitcode: int | None
     traceback: str | None
+    #: What the rank itself said happened, one line ("raised ValueError: bad batch", "left
+    #: the launch block early ..."); None when it could not say (killed, died in C code).
+    reason: str | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -48,6 +51,8 @@ class RankFailure:
         return None
 
     def summary(self) -> str:
+        if self.reason:
+            return f"rank {self.rank} {self.reason}"
         if self.traceback:
             last = self.traceback.strip().splitlines()[-1]
             return f"rank {self.rank} raised {last}"
@@ -74,7 +79,10 @@ class WorkerFailedError(RuntimeError):
 
     def __init__(self, failures: list[RankFailure]) -> None:
         self.failures = tuple(sorted(failures, key=lambda f: f.rank))
-        lines = ["; ".join(f.summary() for f in self.failures) + ". The other ranks were stopped."]
+        summary = "; ".join(f.summary() for f in self.failures)
+        if not summary.endswith((".", "!", "?")):
+            summary += "."
+        lines = [summary + " The other ranks were stopped."]
         for failure in self.failures:
             if failure.traceback:
                 lines.append(f"\n--- traceback of rank {failure.rank} ---\n{failure.traceback.rstrip()}")
@@ -247,7 +255,7 @@ class Supervisor:
             code = worker.poll()
             trace = self._traceback_of(worker.rank)
             if trace is not None or (code not in (None, 0) and worker.pid not in self._killed):
-                found.append(RankFailure(worker.rank, code, trace))
+                found.append(RankFailure(worker.rank, code, trace, self._reason_of(worker.rank)))
         causes = [f for f in found if not _is_consequence(f)]
         return causes or found
 
@@ -255,6 +263,12 @@ class Supervisor:
         path = self.error_dir / f"rank{rank}.txt"
         try:
             return path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def _reason_of(self, rank: int) -> str | None:
+        try:
+            return (self.error_dir / f"rank{rank}.txt.reason").read_text().strip() or None
         except FileNotFoundError:
             return None
 
