@@ -7,9 +7,15 @@ imported on first use (PEP 562), so ``import scopedlite`` costs next to nothing 
 from __future__ import annotations
 
 import importlib
+import os as _os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+try:  # where the program started: a re-executed worker starts there (scopedlite._launchers._start)
+    _START_DIRECTORY: str | None = _os.getcwd()
+except OSError:
+    _START_DIRECTORY = None
 
 # public name -> private module that defines it
 _EXPORTS: dict[str, str] = {

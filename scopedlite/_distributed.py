@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import io
+import os
 import pickle
 import sys
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._environments import World
+from scopedlite._torch_private import set_group_timeout
 from scopedlite._structures import map_tensors
 
 __all__ = [
@@ -76,6 +78,12 @@ def init_process_group(
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
     rank, size = world.global_rank, world.world_size
+    ours = world.source == "scopedlite"
+    collective_timeout = timeout
+    if ours:
+        # Meeting the other ranks is bounded by the start-up limit, not by launch(timeout=):
+        # a rank may still be importing torch while another one waits to connect.
+        timeout = max(timeout, start_timeout())
     if store is None and world.source == "torchelastic":
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kwargs)
         return
@@ -90,11 +98,36 @@ def init_process_group(
             store.set(ready_key(rank), "1")
     hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
-    if world.source == "scopedlite":
+    if ours:
+        set_group_timeout(collective_timeout)  # from here on, collectives wait launch(timeout=)
         # torch replaces sys.excepthook with one that prefixes every line with "[rankN]:", for
         # good. Rank 0 of a run we start is the user's own process and stays unprefixed; our
         # workers prefix their lines themselves ("[rank N] ", scopedlite._output).
         sys.excepthook = hook
+
+
+START_TIMEOUT_ENV = "SCOPEDLITE_START_TIMEOUT"
+_DEFAULT_START_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def start_timeout() -> datetime.timedelta:
+    """How long the ranks of a run we start may take to reach ``launch`` and meet.
+
+    Separate from ``launch(timeout=)``, which bounds collectives: a short collective timeout
+    must not fail a start-up that imports torch or prepares data. ``SCOPEDLITE_START_TIMEOUT``
+    (seconds) sets it; the default is 30 minutes. A worker that exits or fails before it
+    arrives is reported at once, whatever this limit is.
+    """
+    value = os.environ.get(START_TIMEOUT_ENV, "").strip()
+    if not value:
+        return _DEFAULT_START_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{START_TIMEOUT_ENV}={value!r} is not valid: it must be a positive number of seconds.")
+    return datetime.timedelta(seconds=seconds)
 
 
 def ready_key(rank: int) -> str:

@@ -37,7 +37,7 @@ from scopedlite._launchers._start import (
     start_script_workers,
     threads_per_process,
 )
-from scopedlite._launchers._supervise import Supervisor, WorkerFailedError, _Interrupted
+from scopedlite._launchers._supervise import RankFailure, Supervisor, WorkerFailedError, _Interrupted
 from scopedlite._output import install_rank_prefix
 from scopedlite._plan import Machine, Plan, resolve
 from scopedlite._run import Run
@@ -194,7 +194,7 @@ class _Launch(Scope[Run]):
                 _script_launched[0] = True
             self._supervisor = Supervisor(workers, self._error_dir)
             self._supervisor.start()
-            self._wait_for_workers(store, n, plan.timeout.total_seconds())
+            self._wait_for_workers(store, n)
             world = World("scopedlite", 0, 0, 0, n, n, "127.0.0.1", store.port)
             return self._start_here(plan, world, Rendezvous(world, store))
         except _Interrupted:
@@ -205,20 +205,44 @@ class _Launch(Scope[Run]):
             self._cleanup_parent()
             raise
 
-    def _wait_for_workers(self, store: Any, n: int, seconds: float) -> None:
-        """Wait, in Python, until every worker reached the store (or one failed)."""
-        from scopedlite._distributed import ready_key
+    def _wait_for_workers(self, store: Any, n: int) -> None:
+        """Wait, in Python, until every worker reached the store, or one exited or failed.
 
-        assert self._supervisor is not None
-        keys = [ready_key(rank) for rank in range(1, n)]
+        A worker that exits before it reaches this launch, even with code 0 (its copy of the
+        script took another path), can never arrive: it is reported at once, with its exit
+        code. The limit is the start-up one (``SCOPEDLITE_START_TIMEOUT``), not
+        ``launch(timeout=)``, which bounds collectives.
+        """
+        from scopedlite._distributed import START_TIMEOUT_ENV, ready_key, start_timeout
+
+        supervisor = self._supervisor
+        assert supervisor is not None
+        seconds = start_timeout().total_seconds()
+        pending = {rank: ready_key(rank) for rank in range(1, n)}
         deadline = time.monotonic() + seconds
-        while not store.check(keys):
-            failures = self._supervisor.failures()
+        while pending:
+            for rank, key in list(pending.items()):
+                if store.check([key]):
+                    del pending[rank]
+            failures = supervisor.failures()
             if failures:
                 raise WorkerFailedError(failures)
+            gone = [(w.rank, w.poll()) for w in supervisor.workers if w.rank in pending and w.poll() is not None]
+            if gone:
+                raise WorkerFailedError([
+                    RankFailure(rank, code, None, f"exited with code {code} before it reached {self.describe()}"
+                                + (" (did its run of the script take another path?)" if code == 0 else "")
+                                + "; its output, if any, is above")
+                    for rank, code in gone
+                ])
+            if not pending:
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"The workers did not reach lite.launch within {seconds:.0f} s (timeout=)."
+                    f"rank(s) {sorted(pending)} did not reach {self.describe()} within "
+                    f"{seconds:.0f} s of being started. That start-up limit is "
+                    f"{START_TIMEOUT_ENV} (seconds, default 1800); launch(timeout=) bounds "
+                    "collectives only."
                 )
             time.sleep(0.01)
 
@@ -241,12 +265,14 @@ class _Launch(Scope[Run]):
         except BaseException:
             listener.close()
             raise
+        from scopedlite._distributed import start_timeout
+
         return dist.TCPStore(
             "127.0.0.1",
             port,
             plan.world_size,
             is_master=True,
-            timeout=plan.timeout,
+            timeout=max(plan.timeout, start_timeout()),  # collectives are bounded by the group
             wait_for_workers=False,
             master_listen_fd=listener.detach(),  # the store owns (and closes) it from here
         )

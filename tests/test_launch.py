@@ -418,3 +418,67 @@ def test_summary_is_the_exception_line_and_rank_zero_tracebacks_are_unprefixed(r
     assert summary == "SUMMARY rank 1 raised AssertionError: assert 1 == 2. The other ranks were stopped."
     assert "ValueError: uncaught on rank 0" in result.stderr
     assert "[rank0]" not in result.stderr, result.stderr
+
+
+CHDIR = """
+import os, json, scopedlite as lite
+os.makedirs("out", exist_ok=True)
+os.chdir("out")  # before launch: a worker re-runs this line from the directory we started in
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=0.5) as run:
+    total = lite.all_reduce(run.global_rank + 1)  # timeout=0.5 bounds this, not the start-up
+    json.dump({"sum": total, "cwd": os.getcwd()}, open(os.environ["OUT"] + f".rank{run.global_rank}", "w"))
+"""
+
+
+@pytest.mark.parametrize("form", ["script", "absolute", "module"])
+def test_chdir_before_launch_and_a_short_collective_timeout(run_python, tmp_path, form):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "chdir_first.py").write_text(CHDIR)
+    argv = {
+        "script": ["pkg/chdir_first.py"],
+        "absolute": [str(tmp_path / "pkg" / "chdir_first.py")],
+        "module": ["-m", "pkg.chdir_first"],
+    }[form]
+    result = run_python(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.explain()
+    outs = [json.load(open(f"{result._out}.rank{r}")) for r in (0, 1)]
+    assert [o["sum"] for o in outs] == [3, 3]
+    assert [o["cwd"] for o in outs] == [str(tmp_path / "out")] * 2  # not out/out on rank 1
+
+
+def test_a_worker_that_exits_with_code_0_before_launch_is_reported_at_once(run_python):
+    code = textwrap.dedent(
+        """
+        import os, sys, time, scopedlite as lite
+        if os.environ.get("SCOPEDLITE_LAUNCH_TOKEN"):
+            print("worker took another path")
+            sys.exit(0)  # the re-executed worker never reaches launch
+        start = time.time()
+        try:
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu"):  # 30 min timeout
+                pass
+        except lite.WorkerFailedError as e:
+            print("CAUGHT", e.ranks, e.failures[0].exitcode, round(time.time() - start, 2))
+            print(str(e).splitlines()[0])
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.explain()
+    line = next(l for l in result.stdout.splitlines() if l.startswith("CAUGHT"))
+    assert line.startswith("CAUGHT (1,) 0"), result.stdout
+    assert float(line.split()[-1]) < 3
+    assert "rank 1 exited with code 0 before it reached lite.launch(" in result.stdout
+    assert "worker took another path" in result.stdout
+
+
+def test_a_script_read_from_stdin_with_its_own_dash_c_forks(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import _env
+
+    code = "import sys, scopedlite as lite\nwith lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=60) as run:\n    print('sum', lite.all_reduce(1), sys.argv)\n"
+    proc = subprocess.run([sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "sum 2 ['-', '-c']" in proc.stdout
