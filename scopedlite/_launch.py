@@ -53,6 +53,11 @@ __all__ = ["launch"]
 # state by nature: it describes this interpreter's history, not a scope.)
 _script_launched = [False]
 
+# How many launch blocks this process entered at each file:line. A launch is identified by
+# its site *and* this count ("x.py:3#2"), so a helper holding one `with lite.launch(...)`
+# called twice (`run(1); run(2)`) gives two launches a worker can tell apart.
+_entered_at: dict[str, int] = {}
+
 
 class _Launch(Scope[Run]):
     _var = _run.launch_var
@@ -78,8 +83,10 @@ class _Launch(Scope[Run]):
                 f"({_run.launch_var.get().describe()}); launch blocks do not nest. Close the "
                 "first block before starting the next."
             )
+        _entered_at[self._site] = _entered_at.get(self._site, 0) + 1
+        self._identity = f"{self._site}#{_entered_at[self._site]}"
         env: dict[str, str] = dict(os.environ)
-        if ENV.TOKEN in env and env.get(ENV.SITE) != self._site:
+        if ENV.TOKEN in env and env.get(ENV.SITE) != self._identity:
             # A worker of ours passing a launch before the one that started it: the parent
             # ran that block as one process, so the worker does the same.
             env = {k: v for k, v in env.items() if k != ENV.TOKEN}
@@ -93,7 +100,7 @@ class _Launch(Scope[Run]):
         self.plan = plan
         if ENV.TOKEN in os.environ and ENV.TOKEN not in env and plan.world_size > 1:
             raise RuntimeError(
-                f"This worker was started by the launch at {os.environ.get(ENV.SITE)} but "
+                f"This worker was started by the launch at {_describe_identity(os.environ.get(ENV.SITE, ''))} but "
                 f"reached {self.describe()} first, a multi-process block the main process did "
                 "not start workers for. Every multi-process launch block must come after the "
                 "first one in the script, or live in its own script."
@@ -189,7 +196,7 @@ class _Launch(Scope[Run]):
             else:
                 store = self._create_store(plan)
                 workers = start_script_workers(
-                    n, store.port, secrets.token_hex(8), self._site, self._error_dir, threads
+                    n, store.port, secrets.token_hex(8), self._identity, self._error_dir, threads
                 )
                 _script_launched[0] = True
             self._supervisor = Supervisor(workers, self._error_dir)
@@ -430,6 +437,14 @@ class _Launch(Scope[Run]):
         if self._error_dir is not None:
             shutil.rmtree(self._error_dir, ignore_errors=True)
             self._error_dir = None
+
+
+def _describe_identity(identity: str) -> str:
+    """``x.py:3#2`` -> ``x.py:3 (the 2nd launch entered there)``."""
+    site, _, count = identity.rpartition("#")
+    if not site or count == "1":
+        return site or identity
+    return f"{site} (launch block number {count} entered there)"
 
 
 def _stop_quietly(strategy: Any) -> None:

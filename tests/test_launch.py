@@ -482,3 +482,25 @@ def test_a_script_read_from_stdin_with_its_own_dash_c_forks(tmp_path):
     proc = subprocess.run([sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "sum 2 ['-', '-c']" in proc.stdout
+
+
+def test_two_launches_from_one_line_are_told_apart(run_python, tmp_path):
+    path = tmp_path / "helper.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import os, scopedlite as lite
+
+            def run(n):
+                with lite.launch(devices=n, accelerator="cpu", timeout=60) as r:
+                    asked = lite.all_gather(n).tolist()  # the devices= each rank's block was given
+                return asked
+
+            print("RESULTS", run(1), run(2), os.getpid())
+            """
+        )
+    )
+    result = run_python(str(path))
+    assert result.returncode == 0, result.explain()
+    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULTS")]
+    assert len(lines) == 1 and lines[0].startswith("RESULTS [1] [2, 2]"), result.stdout
