@@ -58,6 +58,13 @@ _script_launched = [False]
 # called twice (`run(1); run(2)`) gives two launches a worker can tell apart.
 _entered_at: dict[str, int] = {}
 
+# What our launcher puts in a worker's environment (scopedlite._launchers._start), except
+# OMP_NUM_THREADS, which is the program's to keep.
+_WORKER_VARIABLES = (
+    ENV.TOKEN, ENV.SITE, ENV.ERROR_FILE, ENV.PARENT_PID, "RANK", "LOCAL_RANK", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+)
+
 
 class _Launch(Scope[Run]):
     _var = _run.launch_var
@@ -86,19 +93,20 @@ class _Launch(Scope[Run]):
         _entered_at[self._site] = _entered_at.get(self._site, 0) + 1
         self._identity = f"{self._site}#{_entered_at[self._site]}"
         env: dict[str, str] = dict(os.environ)
-        if ENV.TOKEN in env and env.get(ENV.SITE) != self._identity:
+        # A worker of ours is the main process's own child. A process that only inherited a
+        # worker's variables (a script that rank 1 started) is not one.
+        is_worker = ENV.TOKEN in env and env.get(ENV.PARENT_PID) == str(os.getppid())
+        if ENV.TOKEN in env and (not is_worker or env.get(ENV.SITE) != self._identity):
             # A worker of ours passing a launch before the one that started it: the parent
             # ran that block as one process, so the worker does the same.
-            env = {k: v for k, v in env.items() if k != ENV.TOKEN}
-            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-                env.pop(key, None)
+            env = {k: v for k, v in env.items() if k not in _WORKER_VARIABLES}
         plan = resolve(
             **self._arguments,
             env=env,
             machine=Machine.probe(launched_before=_script_launched[0]),
         )
         self.plan = plan
-        if ENV.TOKEN in os.environ and ENV.TOKEN not in env and plan.world_size > 1:
+        if is_worker and ENV.TOKEN not in env and plan.world_size > 1:
             raise RuntimeError(
                 f"This worker was started by the launch at {_describe_identity(os.environ.get(ENV.SITE, ''))} but "
                 f"reached {self.describe()} first, a multi-process block the main process did "
@@ -114,7 +122,13 @@ class _Launch(Scope[Run]):
                 self._share_cores(plan, plan.world.local_world_size)
                 return self._start_here(plan, plan.world, Rendezvous(plan.world))
             self._role = "worker"
+            self._error_file = os.environ.get(ENV.ERROR_FILE)
             self._become_worker(plan)
+            # What we handed this worker is ours, not the program's: rank 0 never had it in
+            # its environment, and a process this rank starts (a script that launches a run
+            # of its own) must not inherit it.
+            for key in _WORKER_VARIABLES:
+                os.environ.pop(key, None)
             install_rank_prefix(plan.world.global_rank)
             try:
                 return self._start_here(plan, plan.world, Rendezvous(plan.world))
@@ -156,7 +170,7 @@ class _Launch(Scope[Run]):
         return self.run
 
     def _enable_stack_dumps(self, rank: int) -> None:
-        folder = self._error_dir or Path(os.environ.get(ENV.ERROR_FILE, "")).parent
+        folder = self._error_dir or Path(getattr(self, "_error_file", None) or "").parent
         if str(folder) not in ("", "."):
             enable_stack_dumps(stack_file(Path(folder), rank))
 

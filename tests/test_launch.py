@@ -504,3 +504,39 @@ def test_two_launches_from_one_line_are_told_apart(run_python, tmp_path):
     assert result.returncode == 0, result.explain()
     lines = [l for l in result.stdout.splitlines() if l.startswith("RESULTS")]
     assert len(lines) == 1 and lines[0].startswith("RESULTS [1] [2, 2]"), result.stdout
+
+
+def test_a_script_started_by_rank_1_launches_a_run_of_its_own(run_python, tmp_path):
+    child = tmp_path / "child.py"
+    child.write_text(
+        textwrap.dedent(
+            """
+            import os, scopedlite as lite
+            inherited = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "SCOPEDLITE_LAUNCH_TOKEN")}
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+                total = lite.all_reduce(run.global_rank + 10)
+            print("CHILD", total, run.world_size, inherited)
+            """
+        )
+    )
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        textwrap.dedent(
+            f"""
+            import os, subprocess, sys, scopedlite as lite
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+                env_rank = os.environ.get("RANK")
+                if run.global_rank == 1:
+                    out = subprocess.run([sys.executable, {str(child)!r}], capture_output=True, text=True)
+                    open(os.environ["OUT"] + ".child", "w").write(out.stdout + out.stderr)
+                lite.barrier()
+                print("RANK in the environment of rank", run.global_rank, ":", env_rank)
+            """
+        )
+    )
+    result = run_python(str(parent))
+    assert result.returncode == 0, result.explain()
+    child_out = open(f"{result._out}.child").read()
+    assert "CHILD 21 2 {'RANK': None, 'WORLD_SIZE': None, 'SCOPEDLITE_LAUNCH_TOKEN': None}" in child_out, child_out
+    assert "RANK in the environment of rank 0 : None" in result.stdout
+    assert "RANK in the environment of rank 1 : None" in result.stdout  # as on rank 0
