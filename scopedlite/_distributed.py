@@ -96,6 +96,8 @@ def init_process_group(
             # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
             # died before joining can be noticed, instead of inside torch's blocking rendezvous.
             store.set(ready_key(rank), "1")
+    if ours:
+        _launch_store[:] = [store]
     hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     if ours:
@@ -138,7 +140,43 @@ def ready_key(rank: int) -> str:
 _own_store: list[tuple[Any, int, int]] = []
 
 
+# The store of the run our launcher started that this process is in (rank 0 hosts it).
+_launch_store: list[Any] = []
+
+
+def end_of_block_barrier(rank: int, size: int, seconds: float) -> bool:
+    """Wait until every rank of a run we started reached the end of its launch block.
+
+    Through the store, not a collective: a rank that skipped a collective the others are in
+    must not meet them in this barrier, where a collective of another kind would answer
+    theirs (gloo then breaks the connection). Waiting here, it leaves them to time out in
+    their collective, which names where everyone was. Polled from Python, so rank 0 can be
+    interrupted when a worker fails. Returns False where there is no such store (the caller
+    falls back to a collective barrier); raises ``TimeoutError`` naming the missing ranks.
+    """
+    if not _launch_store:
+        return False
+    import time
+
+    store = _launch_store[0]
+    store.set(f"scopedlite/block-end/{rank}", "1")
+    keys = [f"scopedlite/block-end/{r}" for r in range(size)]
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(
+                f"Timed out after {seconds:.0f} s at the end of the launch block waiting for "
+                f"rank(s) {missing}, which did not get there (launch(timeout=))."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
+
+
 def destroy_process_group() -> None:
+    _launch_store.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     if _own_store:

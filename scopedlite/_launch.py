@@ -58,6 +58,9 @@ _script_launched = [False]
 # called twice (`run(1); run(2)`) gives two launches a worker can tell apart.
 _entered_at: dict[str, int] = {}
 
+# How much longer than rank 0 a worker waits at the end of the block (see _final_barrier).
+_WORKER_GRACE_S = 5.0
+
 # What our launcher puts in a worker's environment (scopedlite._launchers._start), except
 # OMP_NUM_THREADS, which is the program's to keep.
 _WORKER_VARIABLES = (
@@ -75,6 +78,7 @@ class _Launch(Scope[Run]):
         self.run: Run
         self._role = "none"  # none | parent | worker | external
         self._supervisor: Supervisor | None = None
+        self._store: Any = None
         self._error_dir: Path | None = None
         self._threads: int | None = None
 
@@ -203,12 +207,12 @@ class _Launch(Scope[Run]):
                 if isinstance(forked, ForkChild):
                     return self._start_forked_child(plan, forked, threads)
                 self._fork_parent = forked
-                store = self._create_store(plan)
+                store = self._store = self._create_store(plan)
                 forked.send_port(store.port)
                 workers: list[Any] = forked.workers
                 _script_launched[0] = True
             else:
-                store = self._create_store(plan)
+                store = self._store = self._create_store(plan)
                 workers = start_script_workers(
                     n, store.port, secrets.token_hex(8), self._identity, self._error_dir, threads
                 )
@@ -351,8 +355,21 @@ class _Launch(Scope[Run]):
                 exc, code = e, 1
         if exc is not None:
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            if isinstance(exc, SystemExit) and exc.code is None:
+                code = 0
             if code:
                 self._write_traceback(exc)
+            elif self.run.world_size > 1:
+                # sys.exit(0) inside the block, on this rank alone as far as it knows: the
+                # others would wait for it in their next collective. Say so; rank 0 reports it
+                # (unless it is leaving the same way, and then nobody is left to care).
+                where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+                at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+                self._write_traceback(
+                    exc,
+                    f"left the launch block early: SystemExit({exc.code!r}){at}, while the other "
+                    "ranks were still in it",
+                )
         try:
             self.run.strategy.stop()
         finally:
@@ -374,8 +391,13 @@ class _Launch(Scope[Run]):
             traceback.print_exception(exc)
             return
         if reason is None:
-            line = "".join(traceback.format_exception_only(exc)).strip().splitlines()
-            reason = "raised " + (line[0] if line else type(exc).__name__)
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            if isinstance(exc, SystemExit):
+                lines = [repr(exc.code)] if exc.code is not None else []
+            message = lines[0] if lines else ""
+            if message.endswith(":"):  # the message goes on below: a table, a list
+                message = message + " " + "; ".join(lines[1:4])
+            reason = f"raised {type(exc).__name__}" + (f": {message}" if message else "")
         if len(reason) > 300:
             reason = reason[:297] + "..."
         for name, text in ((f"{path}.reason", reason), (path, "".join(traceback.format_exception(exc)))):
@@ -385,8 +407,29 @@ class _Launch(Scope[Run]):
             os.replace(tmp, name)  # the reason first: once the traceback is there, both are
 
     def _final_barrier(self) -> None:
-        if self.run.world_size > 1:
-            self.run.strategy.barrier()
+        """Every rank reached the end of the block before any leaves it.
+
+        In a run we started, the ranks meet through the store (see
+        :func:`scopedlite._distributed.end_of_block_barrier`); a worker waits a little longer
+        than rank 0, so that when one rank skipped a collective the others are in, rank 0
+        times out first and reports where everyone was. With ``SCOPEDLITE_DEBUG=1`` the end of
+        the block is checked like any collective of ours, so a rank still in a collective is
+        named at once.
+        """
+        run = self.run
+        if run.world_size <= 1:
+            return
+        from scopedlite._debug import check_same_collective, debug_enabled
+        from scopedlite._distributed import end_of_block_barrier
+
+        if debug_enabled():
+            device = getattr(run.strategy, "_comm_device", None) or run.device
+            check_same_collective(run.strategy, run.global_rank, device, "the end of the launch block")
+        if self._role in ("parent", "worker"):
+            seconds = run.timeout.total_seconds() + (0 if self._role == "parent" else _WORKER_GRACE_S)
+            if end_of_block_barrier(run.global_rank, run.world_size, seconds):
+                return
+        run.strategy.barrier()
 
     def _exit_parent(self, exc: BaseException | None) -> bool | None:
         supervisor = self._supervisor
@@ -414,13 +457,23 @@ class _Launch(Scope[Run]):
             # Something went wrong. If a worker failed, that is the cause to report.
             interrupted = isinstance(exc, _Interrupted)
             failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
-            timed_out = not failures and not interrupted and looks_like_timeout(exc)  # type: ignore[arg-type]
+            # A collective timed out: on rank 0, or first on a worker (the ranks waiting in the
+            # same collective time out together). Either way the diagnosis is where every rank
+            # was, not one rank's timeout.
+            worker_timeouts = bool(failures) and all(f.timed_out for f in failures)
+            timed_out = worker_timeouts or (not failures and not interrupted and looks_like_timeout(exc))  # type: ignore[arg-type]
             # Ask the workers where they are before stopping them: that is the diagnosis.
-            stacks = collect_stacks(supervisor.workers, supervisor.error_dir) if timed_out else {}
+            stacks = {**supervisor.stacks, **collect_stacks(supervisor.workers, supervisor.error_dir)} if timed_out else {}
             supervisor.kill_all()
             _stop_quietly(self.run.strategy)
             if timed_out:
-                raise CollectiveTimeoutError(exc, stacks, self.run.world_size) from exc  # type: ignore[arg-type]
+                cause: BaseException = exc  # type: ignore[assignment]
+                if worker_timeouts:
+                    for failure in failures:  # a rank that timed out: its traceback is its stack
+                        stacks.setdefault(failure.rank, failure.traceback or failure.summary())
+                    if interrupted or not looks_like_timeout(exc):  # type: ignore[arg-type]
+                        cause = TimeoutError(failures[0].summary()).with_traceback(exc.__traceback__)  # type: ignore[union-attr]
+                raise CollectiveTimeoutError(cause, stacks, self.run.world_size) from exc  # type: ignore[arg-type]
             if failures or interrupted:
                 raise WorkerFailedError(failures or supervisor.failures()) from (
                     None if interrupted else exc
@@ -442,6 +495,9 @@ class _Launch(Scope[Run]):
             self._supervisor.reap()
             self._supervisor.close()
             self._supervisor = None
+        # Only now that no worker is left to read it (they may still be leaving the final
+        # barrier when rank 0 is through) does the store go.
+        self._store = None
         forked = getattr(self, "_fork_parent", None)
         if isinstance(forked, ForkParent):
             forked.close()
