@@ -23,10 +23,16 @@ from __future__ import annotations
 
 import ast as _ast
 import importlib as _importlib
+import os as _os
 from pathlib import Path as _Path
 from typing import Any as _Any
 
 __version__ = "0.1.0"
+
+try:  # where the program started: a re-executed worker starts there (scopedlite._launch.start)
+    _START_DIRECTORY: str | None = _os.getcwd()
+except OSError:
+    _START_DIRECTORY = None
 
 
 def _read_stub() -> dict[str, str]:

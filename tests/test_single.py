@@ -198,3 +198,17 @@ def test_join_is_a_no_op_on_one_device():
         with pytest.raises(lite.ScopeError, match="do not nest"):
             with lite.join():
                 pass
+
+
+def test_a_second_setup_of_the_same_module_in_one_run_is_refused():
+    model = _model()
+    with lite.launch(devices=1, accelerator="cpu"):
+        prepared = lite.setup(model)
+        with pytest.raises(RuntimeError, match=r"already set up in this run \(at .*test_single.py:\d+\).*model = lite.setup\(model\)"):
+            lite.setup(model)
+        with pytest.raises(RuntimeError, match="already set up in this run"):
+            lite.setup(prepared, torch.optim.SGD(model.parameters(), lr=0.1))
+    with lite.launch(devices=1, accelerator="cpu"):  # a new run may set it up again
+        lite.setup(model)
+    lite.setup(model)  # outside any launch (a notebook cell run twice): harmless, allowed
+    lite.setup(model)

@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from scopedlite._api.current import current
+from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsJointSetup
 
 __all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
+
+# Which modules were set up in which launched run (its strategy object, one per launch block),
+# and where. Setting the same module up twice in one run wraps it twice (two DDP reducers on
+# one set of parameters), and the ranks then hang in their first collective.
+_set_up: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_second_setup(module: torch.nn.Module) -> None:
+    run = current()
+    seen = _set_up.get(module)
+    if run.launched and seen is not None and seen[0]() is run.strategy:
+        raise RuntimeError(
+            f"lite.setup got a {type(module).__name__} that was already set up in this run "
+            f"(at {seen[1]}). Set a model up once per launch block and keep what setup "
+            "returned: `model = lite.setup(model)` (or `model, opt = lite.setup(model, opt)`), "
+            "then use `model` from there on."
+        )
+
+
+def _remember_setup(*modules: torch.nn.Module) -> None:
+    run = current()
+    if run.launched:
+        site = call_site()
+        for module in modules:
+            _set_up[module] = (weakref.ref(run.strategy), site)
 
 
 def setup_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -18,8 +45,11 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     (``DistributedDataParallel`` under DDP). Returns the module to train with."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"setup_module takes a torch.nn.Module, got {type(module).__name__}.")
+    _refuse_second_setup(module)
     run = current()
-    return _cast_inputs(run.strategy.setup_module(module))
+    prepared = _cast_inputs(run.strategy.setup_module(module))
+    _remember_setup(module, prepared)
+    return prepared
 
 
 def _cast_inputs(prepared: torch.nn.Module) -> torch.nn.Module:
@@ -60,7 +90,9 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         for optimizer in optimizers:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"setup takes torch optimizers, got {type(optimizer).__name__}.")
+        _refuse_second_setup(module)
         engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
+        _remember_setup(module, engine)
         return (_cast_inputs(engine), *prepared_opts)
     prepared = setup_module(module)
     if not optimizers:

@@ -18,6 +18,7 @@ import datetime
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._cluster.environments import ENV, World
-from scopedlite._comm.process_group import ready_key
+from scopedlite._comm.debug import check_same_collective, debug_enabled
+from scopedlite._comm.process_group import START_TIMEOUT_ENV, end_of_block_barrier, ready_key, start_timeout
 from scopedlite._core import run as _run
 from scopedlite._core.run import Placement, Run
 from scopedlite._core.scope import Scope, ScopeError
@@ -52,6 +54,7 @@ from scopedlite._launch.start import (
     threads_per_process,
 )
 from scopedlite._launch.supervise import (
+    RankFailure,
     Supervisor,
     WorkerFailedError,
     _Interrupted,
@@ -67,6 +70,21 @@ __all__ = ["launch"]
 # state by nature: it describes this interpreter's history, not a scope.)
 _script_launched = [False]
 
+# How many launch blocks this process entered at each file:line. A launch is identified by
+# its site *and* this count ("x.py:3#2"), so a helper holding one `with lite.launch(...)`
+# called twice (`run(1); run(2)`) gives two launches a worker can tell apart.
+_entered_at: dict[str, int] = {}
+
+# How much longer than rank 0 a worker waits at the end of the block (see _final_barrier).
+_WORKER_GRACE_S = 5.0
+
+# What our launcher puts in a worker's environment (scopedlite._launch.start), except
+# OMP_NUM_THREADS, which is the program's to keep.
+_WORKER_VARIABLES = (
+    ENV.TOKEN, ENV.SITE, ENV.ERROR_FILE, ENV.PARENT_PID, "RANK", "LOCAL_RANK", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+)
+
 
 class _Launch(Scope[Run]):
     _var = _run.launch_var
@@ -77,6 +95,7 @@ class _Launch(Scope[Run]):
         self.run: Run
         self._role = "none"  # none | parent | worker | external
         self._supervisor: Supervisor | None = None
+        self._store: Any = None
         self._error_dir: Path | None = None
         self._threads: int | None = None
 
@@ -92,22 +111,25 @@ class _Launch(Scope[Run]):
                 f"({_run.launch_var.get().describe()}); launch blocks do not nest. Close the "
                 "first block before starting the next."
             )
+        _entered_at[self._site] = _entered_at.get(self._site, 0) + 1
+        self._identity = f"{self._site}#{_entered_at[self._site]}"
         env: dict[str, str] = dict(os.environ)
-        if ENV.TOKEN in env and env.get(ENV.SITE) != self._site:
+        # A worker of ours is the main process's own child. A process that only inherited a
+        # worker's variables (a script that rank 1 started) is not one.
+        is_worker = ENV.TOKEN in env and env.get(ENV.PARENT_PID) == str(os.getppid())
+        if ENV.TOKEN in env and (not is_worker or env.get(ENV.SITE) != self._identity):
             # A worker of ours passing a launch before the one that started it: the parent
             # ran that block as one process, so the worker does the same.
-            env = {k: v for k, v in env.items() if k != ENV.TOKEN}
-            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-                env.pop(key, None)
+            env = {k: v for k, v in env.items() if k not in _WORKER_VARIABLES}
         plan = resolve(
             **self._arguments,
             env=env,
             machine=Machine.probe(launched_before=_script_launched[0]),
         )
         self.plan = plan
-        if ENV.TOKEN in os.environ and ENV.TOKEN not in env and plan.world_size > 1:
+        if is_worker and ENV.TOKEN not in env and plan.world_size > 1:
             raise RuntimeError(
-                f"This worker was started by the launch at {os.environ.get(ENV.SITE)} but "
+                f"This worker was started by the launch at {_describe_identity(os.environ.get(ENV.SITE, ''))} but "
                 f"reached {self.describe()} first, a multi-process block the main process did "
                 "not start workers for. Every multi-process launch block must come after the "
                 "first one in the script, or live in its own script."
@@ -121,7 +143,13 @@ class _Launch(Scope[Run]):
                 self._share_cores(plan, plan.world.local_world_size)
                 return self._start_here(plan, plan.world, Rendezvous(plan.world))
             self._role = "worker"
+            self._error_file = os.environ.get(ENV.ERROR_FILE)
             self._become_worker(plan)
+            # What we handed this worker is ours, not the program's: rank 0 never had it in
+            # its environment, and a process this rank starts (a script that launches a run
+            # of its own) must not inherit it.
+            for key in _WORKER_VARIABLES:
+                os.environ.pop(key, None)
             install_rank_prefix(plan.world.global_rank)
             try:
                 return self._start_here(plan, plan.world, Rendezvous(plan.world))
@@ -163,7 +191,7 @@ class _Launch(Scope[Run]):
         return self.run
 
     def _enable_stack_dumps(self, rank: int) -> None:
-        folder = self._error_dir or Path(os.environ.get(ENV.ERROR_FILE, "")).parent
+        folder = self._error_dir or Path(getattr(self, "_error_file", None) or "").parent
         if str(folder) not in ("", "."):
             enable_stack_dumps(stack_file(Path(folder), rank))
 
@@ -194,19 +222,19 @@ class _Launch(Scope[Run]):
                 if isinstance(forked, ForkChild):
                     return self._start_forked_child(plan, forked, threads)
                 self._fork_parent = forked
-                store = self._create_store(plan)
+                store = self._store = self._create_store(plan)
                 forked.send_port(store.port)
                 workers: list[Any] = forked.workers
                 _script_launched[0] = True
             else:
-                store = self._create_store(plan)
+                store = self._store = self._create_store(plan)
                 workers = start_script_workers(
-                    n, store.port, secrets.token_hex(8), self._site, self._error_dir, threads
+                    n, store.port, secrets.token_hex(8), self._identity, self._error_dir, threads
                 )
                 _script_launched[0] = True
             self._supervisor = Supervisor(workers, self._error_dir)
             self._supervisor.start()
-            self._wait_for_workers(store, n, plan.timeout.total_seconds())
+            self._wait_for_workers(store, n)
             world = World("scopedlite", 0, 0, 0, n, n, "127.0.0.1", store.port)
             return self._start_here(plan, world, Rendezvous(world, store))
         except _Interrupted:
@@ -217,29 +245,68 @@ class _Launch(Scope[Run]):
             self._cleanup_parent()
             raise
 
-    def _wait_for_workers(self, store: Any, n: int, seconds: float) -> None:
-        """Wait, in Python, until every worker reached the store (or one failed)."""
-        assert self._supervisor is not None
-        keys = [ready_key(rank) for rank in range(1, n)]
+    def _wait_for_workers(self, store: Any, n: int) -> None:
+        """Wait, in Python, until every worker reached the store, or one exited or failed.
+
+        A worker that exits before it reaches this launch, even with code 0 (its copy of the
+        script took another path), can never arrive: it is reported at once, with its exit
+        code. The limit is the start-up one (``SCOPEDLITE_START_TIMEOUT``), not
+        ``launch(timeout=)``, which bounds collectives.
+        """
+        supervisor = self._supervisor
+        assert supervisor is not None
+        seconds = start_timeout().total_seconds()
+        pending = {rank: ready_key(rank) for rank in range(1, n)}
         deadline = time.monotonic() + seconds
-        while not store.check(keys):
-            failures = self._supervisor.failures()
+        while pending:
+            for rank, key in list(pending.items()):
+                if store.check([key]):
+                    del pending[rank]
+            failures = supervisor.failures()
             if failures:
                 raise WorkerFailedError(failures)
+            gone = [(w.rank, w.poll()) for w in supervisor.workers if w.rank in pending and w.poll() is not None]
+            if gone:
+                raise WorkerFailedError([
+                    RankFailure(rank, code, None, f"exited with code {code} before it reached {self.describe()}"
+                                + (" (did its run of the script take another path?)" if code == 0 else "")
+                                + "; its output, if any, is above")
+                    for rank, code in gone
+                ])
+            if not pending:
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"The workers did not reach lite.launch within {seconds:.0f} s (timeout=)."
+                    f"rank(s) {sorted(pending)} did not reach {self.describe()} within "
+                    f"{seconds:.0f} s of being started. That start-up limit is "
+                    f"{START_TIMEOUT_ENV} (seconds, default 1800); launch(timeout=) bounds "
+                    "collectives only."
                 )
             time.sleep(0.01)
 
     def _create_store(self, plan: Plan) -> Any:
+        """Rank 0's rendezvous store, listening on 127.0.0.1 only.
+
+        Every rank of a run we start is on this machine, so no other host has any business
+        with the store. torch's ``TCPStore`` binds every interface when it opens the port
+        itself; handed a socket already bound to the loopback address, it listens there.
+        """
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(128)
+            port = listener.getsockname()[1]
+        except BaseException:
+            listener.close()
+            raise
         return dist.TCPStore(
             "127.0.0.1",
-            0,
+            port,
             plan.world_size,
             is_master=True,
-            timeout=plan.timeout,
+            timeout=max(plan.timeout, start_timeout()),  # collectives are bounded by the group
             wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns (and closes) it from here
         )
 
     def _start_forked_child(self, plan: Plan, child: ForkChild, threads: int) -> Run:
@@ -295,8 +362,21 @@ class _Launch(Scope[Run]):
                 exc, code = e, 1
         if exc is not None:
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            if isinstance(exc, SystemExit) and exc.code is None:
+                code = 0
             if code:
                 self._write_traceback(exc)
+            elif self.run.world_size > 1:
+                # sys.exit(0) inside the block, on this rank alone as far as it knows: the
+                # others would wait for it in their next collective. Say so; rank 0 reports it
+                # (unless it is leaving the same way, and then nobody is left to care).
+                where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+                at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+                self._write_traceback(
+                    exc,
+                    f"left the launch block early: SystemExit({exc.code!r}){at}, while the other "
+                    "ranks were still in it",
+                )
         try:
             self.run.strategy.stop()
         finally:
@@ -306,20 +386,53 @@ class _Launch(Scope[Run]):
             # SystemExit could be caught by the user's own try/except around the block.
             os._exit(code)
 
-    def _write_traceback(self, exc: BaseException) -> None:
+    def _write_traceback(self, exc: BaseException, reason: str | None = None) -> None:
+        """Hand rank 0 this worker's traceback, and one line saying what happened.
+
+        The line is the exception's own first line (``raised ValueError: bad batch``), not
+        the traceback's last one, which may be a continuation of a multi-line message (a
+        pytest assertion's ``+  where ...``).
+        """
         path = getattr(self, "_error_file", None) or os.environ.get(ENV.ERROR_FILE)
         if not path:
             traceback.print_exception(exc)
             return
-        text = "".join(traceback.format_exception(exc))
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        if reason is None:
+            lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+            if isinstance(exc, SystemExit):
+                lines = [repr(exc.code)] if exc.code is not None else []
+            message = lines[0] if lines else ""
+            if message.endswith(":"):  # the message goes on below: a table, a list
+                message = message + " " + "; ".join(lines[1:4])
+            reason = f"raised {type(exc).__name__}" + (f": {message}" if message else "")
+        if len(reason) > 300:
+            reason = reason[:297] + "..."
+        for name, text in ((f"{path}.reason", reason), (path, "".join(traceback.format_exception(exc)))):
+            tmp = f"{name}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, name)  # the reason first: once the traceback is there, both are
 
     def _final_barrier(self) -> None:
-        if self.run.world_size > 1:
-            self.run.strategy.barrier()
+        """Every rank reached the end of the block before any leaves it.
+
+        In a run we started, the ranks meet through the store (see
+        :func:`scopedlite._comm.process_group.end_of_block_barrier`); a worker waits a little longer
+        than rank 0, so that when one rank skipped a collective the others are in, rank 0
+        times out first and reports where everyone was. With ``SCOPEDLITE_DEBUG=1`` the end of
+        the block is checked like any collective of ours, so a rank still in a collective is
+        named at once.
+        """
+        run = self.run
+        if run.world_size <= 1:
+            return
+        if debug_enabled():
+            check_same_collective(run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block")
+        if self._role in ("parent", "worker"):
+            seconds = run.timeout.total_seconds() + (0 if self._role == "parent" else _WORKER_GRACE_S)
+            if end_of_block_barrier(run.global_rank, run.world_size, seconds):
+                return
+        run.strategy.barrier()
 
     def _exit_parent(self, exc: BaseException | None) -> bool | None:
         supervisor = self._supervisor
@@ -347,13 +460,23 @@ class _Launch(Scope[Run]):
             # Something went wrong. If a worker failed, that is the cause to report.
             interrupted = isinstance(exc, _Interrupted)
             failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
-            timed_out = not failures and not interrupted and looks_like_timeout(exc)  # type: ignore[arg-type]
+            # A collective timed out: on rank 0, or first on a worker (the ranks waiting in the
+            # same collective time out together). Either way the diagnosis is where every rank
+            # was, not one rank's timeout.
+            worker_timeouts = bool(failures) and all(f.timed_out for f in failures)
+            timed_out = worker_timeouts or (not failures and not interrupted and looks_like_timeout(exc))  # type: ignore[arg-type]
             # Ask the workers where they are before stopping them: that is the diagnosis.
-            stacks = collect_stacks(supervisor.workers, supervisor.error_dir) if timed_out else {}
+            stacks = {**supervisor.stacks, **collect_stacks(supervisor.workers, supervisor.error_dir)} if timed_out else {}
             supervisor.kill_all()
             _stop_quietly(self.run.strategy)
             if timed_out:
-                raise CollectiveTimeoutError(exc, stacks, self.run.world_size) from exc  # type: ignore[arg-type]
+                cause: BaseException = exc  # type: ignore[assignment]
+                if worker_timeouts:
+                    for failure in failures:  # a rank that timed out: its traceback is its stack
+                        stacks.setdefault(failure.rank, failure.traceback or failure.summary())
+                    if interrupted or not looks_like_timeout(exc):  # type: ignore[arg-type]
+                        cause = TimeoutError(failures[0].summary()).with_traceback(exc.__traceback__)  # type: ignore[union-attr]
+                raise CollectiveTimeoutError(cause, stacks, self.run.world_size) from exc  # type: ignore[arg-type]
             if failures or interrupted:
                 raise WorkerFailedError(failures or supervisor.failures()) from (
                     None if interrupted else exc
@@ -375,6 +498,9 @@ class _Launch(Scope[Run]):
             self._supervisor.reap()
             self._supervisor.close()
             self._supervisor = None
+        # Only now that no worker is left to read it (they may still be leaving the final
+        # barrier when rank 0 is through) does the store go.
+        self._store = None
         forked = getattr(self, "_fork_parent", None)
         if isinstance(forked, ForkParent):
             forked.close()
@@ -384,6 +510,14 @@ class _Launch(Scope[Run]):
         if self._error_dir is not None:
             shutil.rmtree(self._error_dir, ignore_errors=True)
             self._error_dir = None
+
+
+def _describe_identity(identity: str) -> str:
+    """``x.py:3#2`` -> ``x.py:3 (the 2nd launch entered there)``."""
+    site, _, count = identity.rpartition("#")
+    if not site or count == "1":
+        return site or identity
+    return f"{site} (launch block number {count} entered there)"
 
 
 def _stop_quietly(strategy: Any) -> None:

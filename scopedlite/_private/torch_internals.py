@@ -10,10 +10,11 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch.distributed import distributed_c10d
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["cpu_twin", "joinables_configured", "no_sync_when_grad_disabled", "settle_bucket_rebuild"]
+__all__ = ["cpu_twin", "joinables_configured", "no_sync_when_grad_disabled", "set_group_timeout", "settle_bucket_rebuild"]
 
 
 @contextlib.contextmanager
@@ -93,3 +94,15 @@ def cpu_twin(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Mo
     }
     twin._modules = {}
     return twin
+
+
+def set_group_timeout(timeout: Any) -> None:
+    """Change how long the default process group's collectives wait, after it was created.
+
+    Why private: a run we start creates its group under a generous start-up limit (a rank may
+    still be importing torch while the others connect) and then bounds collectives by
+    ``launch(timeout=)``. ``init_process_group`` takes one timeout for both; the public API
+    has no way to change it afterwards, and ``_set_pg_timeout`` (gloo and NCCL) is torch's
+    own. Checked against torch 2.3-2.13.
+    """
+    distributed_c10d._set_pg_timeout(timeout)
