@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from scopedlite._cluster.environments import World, detect_world
 from scopedlite._core.precision import Precision, precision_for
 from scopedlite._hardware.machine import Machine
+from scopedlite._loggers.base import Logger, check_loggers
 from scopedlite._strategies.base import Strategy
 from scopedlite._strategies.registry import STRATEGIES
 
@@ -54,6 +55,7 @@ class Plan:
             ``"fork"``, or ``"join"`` (the world exists already: see ``world``).
         timeout: How long collectives wait for other ranks.
         world: The existing world joined when ``launcher == "join"``.
+        loggers: Where ``lite.log`` writes, on global rank 0.
     """
 
     accelerator: str
@@ -65,6 +67,7 @@ class Plan:
     launcher: str
     timeout: datetime.timedelta
     world: World | None = None
+    loggers: tuple[Logger, ...] = field(default=(), compare=False)
 
     @property
     def local_world_size(self) -> int:
@@ -277,6 +280,7 @@ def resolve(
     precision: Any = "32-true",
     launcher: Any = "auto",
     timeout: Any = None,
+    loggers: Any = None,
     env: Mapping[str, str],
     machine: Machine,
 ) -> Plan:
@@ -297,6 +301,7 @@ def resolve(
     chosen_precision = precision_for(precision)
     requested_launcher = _check_launcher(launcher)
     chosen_timeout = _check_timeout(timeout)
+    chosen_loggers = check_loggers(loggers)
 
     world = detect_world(env)
     accel = _pick_accelerator(requested_accelerator, requested_devices, machine)
@@ -377,6 +382,7 @@ def resolve(
         launcher=mode,
         timeout=chosen_timeout,
         world=world,
+        loggers=chosen_loggers,
     )
 
 

@@ -57,6 +57,7 @@ from scopedlite._launch.supervise import (
     _Interrupted,
     set_parent_death_signal,
 )
+from scopedlite._loggers.base import Logger, MetricLog
 from scopedlite._plan import Plan, resolve
 from scopedlite._strategies.base import Rendezvous
 
@@ -151,6 +152,7 @@ class _Launch(Scope[Run]):
             timeout=plan.timeout,
         )
         self.run = Run.of(placement, strategy)
+        self.metrics = MetricLog(plan.loggers, write=placement.is_global_zero)  # lite.log's record
         try:
             strategy.start(placement, rendezvous)
         except BaseException:
@@ -272,6 +274,7 @@ class _Launch(Scope[Run]):
         stop_signals = getattr(self, "_stop_signals", None)
         if stop_signals is not None:
             stop_signals.uninstall()
+        self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next
         if self._role == "worker":
             self._exit_worker(exc)  # never returns
         if self._role == "parent":
@@ -401,6 +404,7 @@ def launch(
     precision: str = "32-true",
     launcher: str = "auto",
     timeout: float | datetime.timedelta | None = None,
+    loggers: Logger | list[Logger] | None = None,
 ) -> _Launch:
     """Open the parallel region: ``with lite.launch(...) as run:``.
 
@@ -416,6 +420,9 @@ def launch(
         launcher: ``"auto"``, ``"script"`` (re-execute the command line) or ``"fork"``.
         timeout: Seconds (or a timedelta) a collective waits for the other ranks before it
             fails; default 30 minutes.
+        loggers: Where ``lite.log``/``lite.log_dict`` write, on global rank 0: a logger
+            (``lite.CSVLogger``, ``lite.TensorBoardLogger``, any ``lite.Logger``) or a list;
+            flushed and closed when the block ends, successfully or not.
 
     Returns:
         A scope object; entering it yields the :class:`~scopedlite.Run` of this process.
@@ -436,5 +443,6 @@ def launch(
         "precision": precision,
         "launcher": launcher,
         "timeout": timeout,
+        "loggers": loggers,
     }
     return _Launch(arguments, site)
