@@ -36,7 +36,8 @@ class TensorBoardLogger:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # needs tensorboard; slow import
+            # needs the tensorboard package, and takes a second: imported on rank 0's first write
+            from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
         for name, value in metrics.items():
