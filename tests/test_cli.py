@@ -178,3 +178,12 @@ def test_a_bare_launch_is_configured_by_the_command_line_and_trains_on_two_ranks
         assert out["dtype"] == "torch.float64"  # --precision 64-true reached the bare launch()
         assert out["same_weights"]  # DDP kept the replicas in step
     assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+@pytest.mark.timeout(90)
+def test_a_launch_argument_contradicting_the_command_line_stops_the_script_naming_both(run_python, tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import scopedlite as lite\nwith lite.launch(accelerator='cpu', precision='64-true'):\n    pass\n")
+    result = run_python("-m", "scopedlite", "run", "--precision", "bf16-true", str(path))
+    assert result.returncode == 1, result.explain()
+    assert "launch(precision='64-true') in the script contradicts `python -m scopedlite run --precision bf16-true`" in result.stderr
