@@ -155,3 +155,9 @@ def test_two_ranks_write_once_and_a_failing_run_keeps_its_values(run_python, tmp
     ]  # fmt: skip
     assert scalars(tmp_path / "tb") == {"rank": [(0, 0.0), (1, 0.0), (2, 0.0)], "mean": [(0, 0.5), (1, 1.5), (2, 2.5)]}
     assert rows(tmp_path / "failed.csv") == [(0, "loss", 7.0)]
+
+
+def test_csv_rows_reach_the_file_as_they_are_logged(tmp_path):
+    with lite.launch(accelerator="cpu", loggers=lite.CSVLogger(tmp_path / "m.csv")):
+        lite.log("x", 1.5)
+        assert rows(tmp_path / "m.csv") == [(0, "x", 1.5)]  # before the block ends: a SIGKILL loses nothing

@@ -19,7 +19,8 @@ class CSVLogger:
     late needs no rewrite of the header, and rows are only ever appended, so a run that fails
     leaves a valid file. ``pandas.read_csv(path).pivot(index="step", columns="name",
     values="value")`` gives the wide table. Values are written with Python's shortest
-    round-trip repr, so ``float(row["value"])`` is exactly what was logged.
+    round-trip repr, so ``float(row["value"])`` is exactly what was logged. Each row is written
+    as it is logged (line-buffered).
 
     Args:
         path: The file. Its folder is created on the first write (on global rank 0 only).
@@ -38,7 +39,9 @@ class CSVLogger:
     def _open(self) -> Any:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         keep = self.append and self.path.exists() and self.path.stat().st_size > 0
-        self._file = open(self.path, "a" if keep else "w", newline="")
+        # Line-buffered: each row reaches the file as it is logged, so `tail -f` follows the
+        # run and a killed process loses nothing; metrics are logged seldom enough for that.
+        self._file = open(self.path, "a" if keep else "w", newline="", buffering=1)
         self._writer = csv.writer(self._file)
         if not keep:
             self._writer.writerow(HEADER)
