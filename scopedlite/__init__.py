@@ -8,7 +8,7 @@ with import-linter; see ``docs/architecture.md``)::
     _launch                         the launch scope, its roles, workers, supervision
     _plan                           the pure resolver: arguments -> frozen Plan
     _strategies                     one class per strategy, abilities as protocols
-    _io | _comm                     checkpoint files; process groups and the wire format
+    _io | _comm | _loggers          checkpoint files; process groups and the wire format; metrics
     _cluster | _hardware            which world this process is in; what the machine has
     _private                        fenced private API of torch, DeepSpeed, torch_xla
     _core                           scopes, Run/Placement, precision; imports nothing else

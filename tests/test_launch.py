@@ -531,7 +531,7 @@ def test_a_script_started_by_rank_1_launches_a_run_of_its_own(run_python, tmp_pa
                     open(os.environ["OUT"] + ".child", "w").write(out.stdout + out.stderr)
                 lite.barrier()
                 # one write: rank 0's own lines are not protected against the workers' lines
-                print(f"RANK in the environment of rank {run.global_rank} : {env_rank}")
+                print("RANK in the environment of rank %d : %s" % (run.global_rank, env_rank))
             """
         )
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -111,10 +112,22 @@ def clip_gradients(
     optimizer: torch.optim.Optimizer,
     max_norm: float | None = None,
     clip_val: float | None = None,
+    norm_type: float | str = 2.0,
 ) -> torch.Tensor | None:
     """Clip gradients by total norm (``max_norm``) or by value (``clip_val``), not both.
 
-    Returns the total norm before clipping when clipping by norm.
+    Args:
+        module: The set-up model.
+        optimizer: The set-up optimizer whose parameters' gradients are clipped.
+        max_norm: Scale the gradients so their total ``norm_type``-norm is at most this.
+        clip_val: Clamp every gradient element to ``[-clip_val, clip_val]``.
+        norm_type: The p of the p-norm for ``max_norm``: a positive number, or
+            ``float("inf")`` / ``"inf"`` for the largest absolute value. Default 2.0, as in
+            ``torch.nn.utils.clip_grad_norm_``. Under FSDP the norm is of the whole gradient,
+            not of this rank's shard.
+
+    Returns:
+        The total norm before clipping when clipping by norm, else None.
     """
     if (max_norm is None) == (clip_val is None):
         raise ValueError(
@@ -124,7 +137,24 @@ def clip_gradients(
     for name, value in (("max_norm", max_norm), ("clip_val", clip_val)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name}={value!r} is not valid: it must be a positive number.")
-    return current().strategy.clip_gradients(module, optimizer, max_norm, clip_val)
+    p = _norm_type(norm_type)
+    if clip_val is not None and p != 2.0:
+        raise ValueError(
+            f"norm_type={norm_type!r} applies to clipping by norm (max_norm=), but clip_val= "
+            "clips each value. Pass max_norm= instead of clip_val=, or leave norm_type out."
+        )
+    return current().strategy.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=p)
+
+
+def _norm_type(norm_type: object) -> float:
+    if norm_type == "inf":
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(
+            f"norm_type={norm_type!r} is not valid: pass a positive number (2.0 for the "
+            "Euclidean norm, 1.0) or float('inf') / 'inf' for the largest absolute value."
+        )
+    return float(norm_type)
 
 
 def to_device(obj: Any) -> Any:

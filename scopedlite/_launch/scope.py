@@ -32,6 +32,7 @@ from scopedlite._launch import history
 from scopedlite._launch.parent import Parent
 from scopedlite._launch.role import External, Role, Solo
 from scopedlite._launch.worker import WORKER_VARIABLES, Worker
+from scopedlite._loggers.base import Logger, MetricLog
 from scopedlite._plan import Plan, resolve
 
 __all__ = ["launch"]
@@ -44,6 +45,7 @@ class _Launch(Scope[Run]):
         self._arguments = arguments
         self._site = site
         self.role: Role | None = None
+        self.metrics = MetricLog((), write=False)  # lite.log's record, made once the run is placed
 
     @property
     def run(self) -> Run:
@@ -81,7 +83,9 @@ class _Launch(Scope[Run]):
                 "the script, or live in its own script."
             )
         self.role = self._role_for(plan, identity)
-        return self.role.enter()
+        run = self.role.enter()
+        self.metrics = MetricLog(plan.loggers, write=run.is_global_zero)
+        return run
 
     def _role_for(self, plan: Plan, identity: str) -> Role:
         if plan.launcher == "none":
@@ -98,6 +102,7 @@ class _Launch(Scope[Run]):
         tb: TracebackType | None,
     ) -> bool | None:
         assert self.role is not None
+        self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next
         return self.role.exit(exc)
 
 
@@ -109,6 +114,7 @@ def launch(
     precision: str = "32-true",
     launcher: str = "auto",
     timeout: float | datetime.timedelta | None = None,
+    loggers: Logger | list[Logger] | None = None,
 ) -> _Launch:
     """Open the parallel region: ``with lite.launch(...) as run:``.
 
@@ -124,6 +130,9 @@ def launch(
         launcher: ``"auto"``, ``"script"`` (re-execute the command line) or ``"fork"``.
         timeout: Seconds (or a timedelta) a collective waits for the other ranks before it
             fails; default 30 minutes.
+        loggers: Where ``lite.log``/``lite.log_dict`` write, on global rank 0: a logger
+            (``lite.CSVLogger``, ``lite.TensorBoardLogger``, any ``lite.Logger``) or a list;
+            flushed and closed when the block ends, successfully or not.
 
     Returns:
         A scope object; entering it yields the :class:`~scopedlite.Run` of this process.
@@ -144,5 +153,6 @@ def launch(
         "precision": precision,
         "launcher": launcher,
         "timeout": timeout,
+        "loggers": loggers,
     }
     return _Launch(arguments, site)
