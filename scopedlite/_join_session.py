@@ -25,6 +25,7 @@ with no batch at all works too. torch's Join alone gets these wrong (see BACKEND
 from __future__ import annotations
 
 import contextlib
+import os
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,7 @@ class ProcessGroupJoin:
             # first joinable communicates); its __exit__ is replaced by `_serve` below.
             Join(list(self.joinables), enable=True, divide_by_initial_world_size=self.divide)
             self._stack.callback(Join, list(self.joinables), enable=False)
+        self._stack.enter_context(_refuse_raw_collectives())
         self.hooks = [j.join_hook(divide_by_initial_world_size=self.divide) for j in self.joinables]
         for joinable in self.joinables:
             from torch.nn.parallel import DistributedDataParallel
@@ -221,6 +223,69 @@ class ProcessGroupJoin:
 
     def barrier(self) -> None:
         self._open(_BARRIER)
+
+
+# torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
+_RAW_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
+    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier",
+)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OUR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+               "all_gather_object": "all_gather", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
+               "barrier": "barrier", "monitored_barrier": "barrier"}
+
+
+@contextlib.contextmanager
+def _refuse_raw_collectives() -> Any:
+    """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
+    scopedlite raises at once instead of hanging.
+
+    The ranks that ran out of data wait in the join protocol, where only torch's joinables
+    (DDP) and our collectives are answered; a raw collective on an active rank would wait for
+    them until the timeout (30 minutes by default), silently. torch's own code (DDP, its Join)
+    and ours go through as they are. Patched on the ``torch.distributed`` namespace for the
+    block only; code that imported the function itself beforehand is not covered.
+    """
+    saved = {}
+    for name in _RAW_COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is not None and not hasattr(original, "__scopedlite_join_guard__"):
+            saved[name] = original
+            setattr(dist, name, _guarded(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def _guarded(name: str, original: Any) -> Any:
+    import functools
+    import sys
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        path = os.path.abspath(caller.f_code.co_filename)
+        if not path.startswith((_TORCH_DIR, _OUR_DIR)):
+            ours = _EQUIVALENT.get(name)
+            instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
+            raise RuntimeError(
+                f"torch.distributed.{name} was called inside lite.join (at "
+                f"{caller.f_code.co_filename}:{caller.f_lineno}). The ranks that have run out of "
+                "data have left the loop and cannot take part, so the ranks would wait for each "
+                f"other until launch(timeout=) ran out, silently. {instead[:1].upper() + instead[1:] if instead else ''}"
+                f"{'call' if ours else 'Call'} it after the `with lite.join(...)` block: for a "
+                "torchmetrics metric, `metric.update(...)` inside and `metric.compute()` after."
+            )
+        return original(*args, **kwargs)
+
+    guarded.__scopedlite_join_guard__ = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def _shape(header: torch.Tensor) -> list[int]:

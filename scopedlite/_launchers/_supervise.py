@@ -57,7 +57,7 @@ class RankFailure:
         """Whether the rank failed because a collective (or the end-of-block wait) timed out."""
         lines = (self.traceback or "").strip().splitlines()
         text = f"{self.reason or ''} {lines[-1] if lines else ''}".lower()
-        return "timed out" in text or "timeout" in text
+        return "timed out" in text or "socket timeout" in text or "wait timeout" in text or "timeouterror" in text
 
     def summary(self) -> str:
         if self.reason:
