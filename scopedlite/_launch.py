@@ -282,6 +282,8 @@ class _Launch(Scope[Run]):
 
         import torch.distributed as dist
 
+        from scopedlite._distributed import start_timeout
+
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.bind(("127.0.0.1", 0))
@@ -290,8 +292,6 @@ class _Launch(Scope[Run]):
         except BaseException:
             listener.close()
             raise
-        from scopedlite._distributed import start_timeout
-
         return dist.TCPStore(
             "127.0.0.1",
             port,
@@ -510,7 +510,7 @@ class _Launch(Scope[Run]):
 
 
 def _describe_identity(identity: str) -> str:
-    """``x.py:3#2`` -> ``x.py:3 (the 2nd launch entered there)``."""
+    """``x.py:3#2`` -> ``x.py:3 (launch block number 2 entered there)``."""
     site, _, count = identity.rpartition("#")
     if not site or count == "1":
         return site or identity
