@@ -51,6 +51,19 @@ _HEADER = 15
 _PAYLOAD_TENSOR, _PAYLOAD_BYTES = 1, 2
 
 
+# An opener no sum of active (world_size + 1 or 1) and joined (0) ranks can reach.
+_ABORT = -1.0e6
+_PEER_LEFT = (
+    "Another rank left lite.join by an exception (its own error says which and why), so the "
+    "ranks can no longer run the block's collectives together. This rank stops here too; "
+    "end the run, or leave the launch block, rather than continue the loop."
+)
+
+
+class PeerLeftJoinError(RuntimeError):
+    """Another rank left a ``lite.join`` block by an exception."""
+
+
 class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
     """One process has nothing to wait for."""
 
@@ -101,8 +114,24 @@ class ProcessGroupJoin:
         try:
             if exc_type is None:
                 self._serve()
+            elif isinstance(exc, Exception) and not isinstance(exc, PeerLeftJoinError):
+                self._abort_round()
         finally:
             self._stack.close()
+
+    def _abort_round(self) -> None:
+        """Tell the other ranks that this one leaves the block by an exception.
+
+        They wait in the join protocol (or will, at their next collective of ours) for a round
+        this rank would never open; were it to catch the exception and go on, its next
+        collective would be taken for one of the protocol's. One opener with a negative code
+        makes every rank that reads it raise :class:`PeerLeftJoinError`, and leaves all of
+        them in step: each took part in exactly one round.
+        """
+        try:
+            dist.all_reduce(torch.full((1,), _ABORT, device=self.device))
+        except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
+            pass
 
     def _serve(self) -> None:
         """Shadow the active ranks' collectives until every rank has joined."""
@@ -111,6 +140,8 @@ class ProcessGroupJoin:
             opener = torch.zeros(1, device=self.device)
             dist.all_reduce(opener)
             total = round(opener.item())
+            if total < 0:
+                raise PeerLeftJoinError(_PEER_LEFT)
             if total == 0:
                 break
             is_last_joiner = False
@@ -148,6 +179,8 @@ class ProcessGroupJoin:
     def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
         opener = torch.full((1,), self.code, device=self.device)
         dist.all_reduce(opener)
+        if opener.item() < 0:
+            raise PeerLeftJoinError(_PEER_LEFT)
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[_H_ACTIVE], header[_H_KIND], header[_H_OP] = 1, kind, _OPS.index(op)
         header[_H_SRC], header[_H_PAYLOAD] = src, payload

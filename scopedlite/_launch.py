@@ -37,7 +37,7 @@ from scopedlite._launchers._start import (
     start_script_workers,
     threads_per_process,
 )
-from scopedlite._launchers._supervise import RankFailure, Supervisor, WorkerFailedError, _Interrupted
+from scopedlite._launchers._supervise import RankFailure, Supervisor, WorkerFailedError, _Interrupted, is_consequence
 from scopedlite._output import install_rank_prefix
 from scopedlite._plan import Machine, Plan, resolve
 from scopedlite._run import Run
@@ -457,6 +457,8 @@ class _Launch(Scope[Run]):
             # Something went wrong. If a worker failed, that is the cause to report.
             interrupted = isinstance(exc, _Interrupted)
             failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
+            if raised_in_block and not interrupted and failures and all(map(is_consequence, failures)):
+                failures = []  # the workers only followed rank 0's own failure: report that
             # A collective timed out: on rank 0, or first on a worker (the ranks waiting in the
             # same collective time out together). Either way the diagnosis is where every rank
             # was, not one rank's timeout.

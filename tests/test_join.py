@@ -118,3 +118,13 @@ def test_a_raw_torch_collective_inside_join_is_an_error_naming_it_not_a_hang(scr
     assert "join_refusals.py:" in result.stderr and "metric.compute()` after" in result.stderr
     assert "CollectiveTimeoutError" not in result.stderr
     assert result.seconds < 25  # it used to wait for the whole timeout (30 s here), then fail
+
+
+def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(script):
+    result = script("join_refusals", "abort")
+    assert result.returncode == 0, result.explain()
+    rank0, rank1 = result.json()[0], result.json()[1]
+    assert rank0["0"] == "KeyError: 'rank 0 fails inside join'"
+    assert rank1["1"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception")
+    # the abort round kept the ranks in step: the next collective is a collective again
+    assert rank0["after"] == rank1["after"] == 40.0

@@ -354,11 +354,17 @@ class Supervisor:
 
 
 _CONSEQUENCES = (
+    "PeerLeftJoinError",  # another rank left lite.join by an exception
     "Connection closed by peer",
     "Connection reset by peer",
     "DistNetworkError",
     "Broken pipe",
 )
+
+
+def is_consequence(failure: RankFailure) -> bool:
+    """Whether a rank failed only because another one did (see :data:`_CONSEQUENCES`)."""
+    return _is_consequence(failure)
 
 
 def _is_consequence(failure: RankFailure) -> bool:
