@@ -109,3 +109,22 @@ def test_broadcast_from_a_rank_that_left_join_is_an_error_not_a_hang(script):
     assert "RuntimeError: lite.broadcast(src=1) inside lite.join: rank 1 has already run out of data" in result.stderr
     assert "raised on rank 0 of 2" in result.stderr
     assert result.seconds < 20
+
+
+def test_a_raw_torch_collective_inside_join_is_an_error_naming_it_not_a_hang(script):
+    result = script("join_refusals", "raw_collective")
+    assert result.returncode == 1, result.explain()
+    assert "RuntimeError: torch.distributed.all_reduce was called inside lite.join (at " in result.stderr
+    assert "join_refusals.py:" in result.stderr and "metric.compute()` after" in result.stderr
+    assert "CollectiveTimeoutError" not in result.stderr
+    assert result.seconds < 25  # it used to wait for the whole timeout (30 s here), then fail
+
+
+def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(script):
+    result = script("join_refusals", "abort")
+    assert result.returncode == 0, result.explain()
+    rank0, rank1 = result.json()[0], result.json()[1]
+    assert rank0["0"] == "KeyError: 'rank 0 fails inside join'"
+    assert rank1["1"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception")
+    # the abort round kept the ranks in step: the next collective is a collective again
+    assert rank0["after"] == rank1["after"] == 40.0

@@ -27,7 +27,7 @@ from scopedlite._launch import history
 from scopedlite._launch.role import Role, stop_quietly
 from scopedlite._launch.stacks import CollectiveTimeoutError, collect_stacks, looks_like_timeout
 from scopedlite._launch.start import ForkChild, ForkParent, fork_workers, start_script_workers, threads_per_process
-from scopedlite._launch.supervise import RankFailure, Supervisor, WorkerFailedError, _Interrupted
+from scopedlite._launch.supervise import RankFailure, Supervisor, WorkerFailedError, _Interrupted, is_consequence
 from scopedlite._launch.worker import Worker
 from scopedlite._plan import Plan
 from scopedlite._strategies.base import Rendezvous
@@ -171,6 +171,8 @@ class Parent(Role):
         assert supervisor is not None and run is not None
         interrupted = isinstance(exc, _Interrupted)
         failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
+        if raised_in_block and not interrupted and failures and all(map(is_consequence, failures)):
+            failures = []  # the workers only followed rank 0's own failure: report that
         # A collective timed out: on rank 0, or first on a worker (the ranks waiting in the
         # same collective time out together). Either way the diagnosis is where every rank
         # was, not one rank's timeout.

@@ -80,5 +80,10 @@ def collect_stacks(workers: list[Any], error_dir: Path, wait: float = 1.0) -> di
 
 
 def looks_like_timeout(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}".lower()
-    return "timeout" in text or "timed out" in text
+    """Whether ``exc`` is a collective or store wait that ran out of time (gloo: "Timed out
+    waiting ...", the store: "... timed out ..." / "Socket Timeout"), not any error whose
+    message mentions a timeout."""
+    if isinstance(exc, TimeoutError):
+        return True
+    text = str(exc).lower()
+    return "timed out" in text or "socket timeout" in text or "wait timeout" in text

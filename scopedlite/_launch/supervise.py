@@ -57,7 +57,7 @@ class RankFailure:
         """Whether the rank failed because a collective (or the end-of-block wait) timed out."""
         lines = (self.traceback or "").strip().splitlines()
         text = f"{self.reason or ''} {lines[-1] if lines else ''}".lower()
-        return "timed out" in text or "timeout" in text
+        return "timed out" in text or "socket timeout" in text or "wait timeout" in text or "timeouterror" in text
 
     def summary(self) -> str:
         if self.reason:
@@ -354,11 +354,17 @@ class Supervisor:
 
 
 _CONSEQUENCES = (
+    "PeerLeftJoinError",  # another rank left lite.join by an exception
     "Connection closed by peer",
     "Connection reset by peer",
     "DistNetworkError",
     "Broken pipe",
 )
+
+
+def is_consequence(failure: RankFailure) -> bool:
+    """Whether a rank failed only because another one did (see :data:`_CONSEQUENCES`)."""
+    return _is_consequence(failure)
 
 
 def _is_consequence(failure: RankFailure) -> bool:

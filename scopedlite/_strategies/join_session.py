@@ -25,6 +25,9 @@ with no batch at all works too. torch's Join alone gets these wrong (see BACKEND
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +64,19 @@ _HEADER = 15
 _PAYLOAD_TENSOR, _PAYLOAD_BYTES = 1, 2
 
 
+# An opener no sum of active (world_size + 1 or 1) and joined (0) ranks can reach.
+_ABORT = -1.0e6
+_PEER_LEFT = (
+    "Another rank left lite.join by an exception (its own error says which and why), so the "
+    "ranks can no longer run the block's collectives together. This rank stops here too; "
+    "end the run, or leave the launch block, rather than continue the loop."
+)
+
+
+class PeerLeftJoinError(RuntimeError):
+    """Another rank left a ``lite.join`` block by an exception."""
+
+
 class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
     """One process has nothing to wait for."""
 
@@ -90,6 +106,7 @@ class ProcessGroupJoin:
         if self.joinables:
             # torch's join mode for the joinables; its serving loop is replaced by `_serve`.
             self._stack.enter_context(joinables_configured(self.joinables, self.divide))
+        self._stack.enter_context(_refuse_raw_collectives())
         self.hooks = [j.join_hook(divide_by_initial_world_size=self.divide) for j in self.joinables]
         for joinable in self.joinables:
             if isinstance(joinable, DistributedDataParallel):
@@ -106,8 +123,24 @@ class ProcessGroupJoin:
         try:
             if exc_type is None:
                 self._serve()
+            elif isinstance(exc, Exception) and not isinstance(exc, PeerLeftJoinError):
+                self._abort_round()
         finally:
             self._stack.close()
+
+    def _abort_round(self) -> None:
+        """Tell the other ranks that this one leaves the block by an exception.
+
+        They wait in the join protocol (or will, at their next collective of ours) for a round
+        this rank would never open; were it to catch the exception and go on, its next
+        collective would be taken for one of the protocol's. One opener with a negative code
+        makes every rank that reads it raise :class:`PeerLeftJoinError`, and leaves all of
+        them in step: each took part in exactly one round.
+        """
+        try:
+            dist.all_reduce(torch.full((1,), _ABORT, device=self.device))
+        except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
+            pass
 
     def _serve(self) -> None:
         """Shadow the active ranks' collectives until every rank has joined."""
@@ -116,6 +149,8 @@ class ProcessGroupJoin:
             opener = torch.zeros(1, device=self.device)
             dist.all_reduce(opener)
             total = round(opener.item())
+            if total < 0:
+                raise PeerLeftJoinError(_PEER_LEFT)
             if total == 0:
                 break
             is_last_joiner = False
@@ -153,6 +188,8 @@ class ProcessGroupJoin:
     def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
         opener = torch.full((1,), self.code, device=self.device)
         dist.all_reduce(opener)
+        if opener.item() < 0:
+            raise PeerLeftJoinError(_PEER_LEFT)
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[_H_ACTIVE], header[_H_KIND], header[_H_OP] = 1, kind, _OPS.index(op)
         header[_H_SRC], header[_H_PAYLOAD] = src, payload
@@ -228,6 +265,67 @@ class ProcessGroupJoin:
 
     def barrier(self) -> None:
         self._open(_BARRIER)
+
+
+# torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
+_RAW_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
+    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier",
+)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# The scopedlite package (this file is in scopedlite/_strategies/).
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+               "all_gather_object": "all_gather", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
+               "barrier": "barrier", "monitored_barrier": "barrier"}
+
+
+@contextlib.contextmanager
+def _refuse_raw_collectives() -> Any:
+    """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
+    scopedlite raises at once instead of hanging.
+
+    The ranks that ran out of data wait in the join protocol, where only torch's joinables
+    (DDP) and our collectives are answered; a raw collective on an active rank would wait for
+    them until the timeout (30 minutes by default), silently. torch's own code (DDP, its Join)
+    and ours go through as they are. Patched on the ``torch.distributed`` namespace for the
+    block only; code that imported the function itself beforehand is not covered.
+    """
+    saved = {}
+    for name in _RAW_COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is not None and not hasattr(original, "__scopedlite_join_guard__"):
+            saved[name] = original
+            setattr(dist, name, _guarded(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def _guarded(name: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        path = os.path.abspath(caller.f_code.co_filename)
+        if not path.startswith((_TORCH_DIR, _OUR_DIR)):
+            ours = _EQUIVALENT.get(name)
+            instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
+            raise RuntimeError(
+                f"torch.distributed.{name} was called inside lite.join (at "
+                f"{caller.f_code.co_filename}:{caller.f_lineno}). The ranks that have run out of "
+                "data have left the loop and cannot take part, so the ranks would wait for each "
+                f"other until launch(timeout=) ran out, silently. {instead[:1].upper() + instead[1:] if instead else ''}"
+                f"{'call' if ours else 'Call'} it after the `with lite.join(...)` block: for a "
+                "torchmetrics metric, `metric.update(...)` inside and `metric.compute()` after."
+            )
+        return original(*args, **kwargs)
+
+    guarded.__scopedlite_join_guard__ = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def _shape(header: torch.Tensor) -> list[int]:
