@@ -79,7 +79,8 @@ def train(name, kind, join, workers, stop_at):
             lite.save(ckpt, state)  # outside lite.join, so every rank takes part
             return None, read
         state["epoch"] += 1
-    return [p.detach().flatten().tolist() for p in model.parameters()], read
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP: gathered
+    return [p.detach().flatten().tolist() for p in full], read
 
 
 with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
