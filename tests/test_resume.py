@@ -155,18 +155,21 @@ def _values(batches):
     return [batch[0].tolist() for batch in batches]
 
 
-def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(tmp_path):
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "persistent_workers": True}], ids=["plain", "persistent_workers"])
+def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(tmp_path, workers):
+    # persistent workers draw their base seed once per process: the restart must not draw it again
     lite.seed_everything(1)
-    loader = lite.setup_dataloader(_loader(shuffle=True))
+    loader = lite.setup_dataloader(_loader(shuffle=True, **workers))
     batches = iter(loader)
     seen = _values([next(batches), next(batches)])
     lite.save(tmp_path / "c.pt", {"loader": loader})
     expected = _values([next(batches)])
     draw = torch.rand(3)  # dropout, say, after the save
     expected += _values(batches) + _values(loader)  # the rest of the pass, then the next pass
+    later = torch.rand(3)
 
     lite.seed_everything(1)
-    restarted = lite.setup_dataloader(_loader(shuffle=True))
+    restarted = lite.setup_dataloader(_loader(shuffle=True, **workers))
     torch.rand(100)  # a restarted process has drawn something else meanwhile
     lite.load(tmp_path / "c.pt", {"loader": restarted})
     batches = iter(restarted)
@@ -174,4 +177,5 @@ def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(
     assert torch.equal(torch.rand(3), draw)  # the random state of the save, before the next batch
     resumed += _values(batches) + _values(restarted)
     assert resumed == expected
+    assert torch.equal(torch.rand(3), later)  # the next pass drew what the uninterrupted one drew
     assert sorted(sum(seen + resumed[:2], [])) == [float(i) for i in range(10)]  # the pass: each once

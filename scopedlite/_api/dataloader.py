@@ -16,7 +16,7 @@ from torch.utils.data import (
 from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
 from scopedlite._api.join import in_join
-from scopedlite._api.loader_state import FORMAT, Interrupted, Pending, resumed_loader
+from scopedlite._api.loader_state import FORMAT, Interrupted, Pending, resumed_loader, spare_generator
 from scopedlite._api.rank_zero import in_rank_zero_first
 from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
 from scopedlite._api.seed import SeedWorker, current_seed
@@ -106,6 +106,11 @@ class DeviceDataLoader:
         self._pass_padded = False
         self._pass_share = 0  # this rank's count of sampler items in the pass
         self._pending: Pending | None = None
+        # persistent workers draw their base seed once per process, when started: whether this
+        # process started them, and whether the run (before a restart) had
+        self._iterated_here = False
+        self._iterated_before = False
+        self._pass_drew_seed = True
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass (it then advances by one per pass)."""
@@ -149,12 +154,28 @@ class DeviceDataLoader:
             return
         device = self.device
         non_blocking = device is not None and device.type == "cuda"
-        for batch in loader:
+        for batch in self._iterate(loader):
             if device is not None:
                 batch = map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
             self._position += 1
             yield batch
         self._in_pass = False
+
+    def _iterate(self, loader: DataLoader) -> Iterator[Any]:  # type: ignore[type-arg]
+        """``iter(loader)``; persistent workers that the run had started before a restart are
+        started again without drawing a base seed the uninterrupted run did not draw, which
+        would shift the random stream (dropout, a shuffle from torch's generator) by one."""
+        if loader is self.loader and not self._pass_drew_seed and not self._iterated_here:
+            own, loader.generator = loader.generator, spare_generator()
+            try:
+                iterator = iter(loader)
+            finally:
+                loader.generator = own
+        else:
+            iterator = iter(loader)
+        if loader is self.loader:
+            self._iterated_here = True
+        return iterator
 
     def _begin_pass(self, epoch: int, pending: Pending | None) -> DataLoader:  # type: ignore[type-arg]
         """Record where this pass starts; for a resumed pass, set the samplers and random
@@ -168,11 +189,13 @@ class DeviceDataLoader:
         self._pass_epoch = epoch
         self._pass_padded = not in_join()
         self._pass_share = _items(self.loader)
+        self._pass_drew_seed = not (self.loader.persistent_workers and (self._iterated_here or self._iterated_before))
         self._in_pass = True
         if pending is None:
             self._position = 0
             return self.loader
         self._position = pending.skip
+        self._pass_drew_seed = pending.drew_seed
         return resumed_loader(self.loader, pending)
 
     def _sharded_samplers(self) -> list[Any]:
@@ -203,6 +226,8 @@ class DeviceDataLoader:
             "resumed": resumed.to_state() if resumed is not None else None,
             "pass_rng": self._pass_rng,
             "rng": rng.capture(self.loader.generator),
+            "drew_seed": self._pass_drew_seed,
+            "iterated": self._iterated_here or self._iterated_before,
         }
 
     def _lite_load_state(self, saved: Any, rank: int, world_size: int) -> None:
@@ -215,6 +240,7 @@ class DeviceDataLoader:
         ranks: list[dict[str, Any]] = saved["ranks"]
         mine = ranks[rank] if rank < len(ranks) else None
         self._seen = _epochs_of(self._holders)
+        self._iterated_before = bool(ranks[0]["iterated"])
         if not any(r["in_pass"] for r in ranks):  # saved between passes
             self._epoch = int(ranks[0]["epoch"])
             if self._epoch > 0:
@@ -225,7 +251,7 @@ class DeviceDataLoader:
         epoch = int(next(r["epoch"] for r in ranks if r["in_pass"]))
         before = Interrupted.from_state(ranks[0]["resumed"])
         if len(ranks) == world_size and mine is not None:
-            pending = Pending(epoch, int(mine["position"]), mine["pass_rng"], mine["rng"], before)
+            pending = Pending(epoch, int(mine["position"]), mine["pass_rng"], mine["rng"], before, bool(mine["drew_seed"]))
         else:
             if not (all(r["sharded"] for r in ranks) and self._sharded_samplers()):
                 raise ValueError(

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from scopedlite._core import rng
 
-__all__ = ["FORMAT", "Interrupted", "Pending", "resumed_loader"]
+__all__ = ["FORMAT", "Interrupted", "Pending", "resumed_loader", "spare_generator"]
 
 FORMAT = "scopedlite.loader/1"
 
@@ -96,6 +96,8 @@ class Pending:
         rng: The random states at the save, put back before the first batch not yet seen
             (None on a rank the saving run did not have).
         resumed: What the sharded sampler's order is reduced to for this pass.
+        drew_seed: Whether the interrupted pass drew its workers' base seed from the loader's
+            generator (or torch's): not when its persistent workers were already running.
     """
 
     epoch: int
@@ -103,6 +105,7 @@ class Pending:
     pass_rng: dict[str, Any] | None
     rng: dict[str, Any] | None
     resumed: Interrupted | None
+    drew_seed: bool = True
 
 
 class _SkipThenRestore(Sampler[Any]):
@@ -142,10 +145,19 @@ _KEPT = (
 )
 
 
+def spare_generator() -> torch.Generator:
+    """A generator for a ``DataLoader`` to draw its workers' base seed from, instead of the
+    user's or torch's, where the uninterrupted run drew none: a loader with persistent workers
+    draws it only when it starts them, once per process."""
+    return torch.Generator().manual_seed(0)
+
+
 def resumed_loader(loader: DataLoader, pending: Pending) -> DataLoader:  # type: ignore[type-arg]
     """A copy of ``loader`` for the one resumed pass: same dataset, workers and collation,
     its index sampler wrapped in :class:`_SkipThenRestore`."""
     kwargs = {name: getattr(loader, name) for name in _KEPT if hasattr(loader, name)}
+    if not pending.drew_seed:
+        kwargs["generator"] = spare_generator()
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if loader.batch_sampler is not None:
