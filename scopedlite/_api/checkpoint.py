@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from scopedlite._api.collectives import barrier, broadcast
 from scopedlite._api.current import current
 from scopedlite._api.dataloader import DeviceDataLoader
+from scopedlite._api.join import in_join
 from scopedlite._api.loader_state import FORMAT
 from scopedlite._core.structures import map_tensors
 from scopedlite._io.files import (
@@ -106,7 +107,16 @@ def _loader_entry(key: str, value: Any) -> Any:
         return value
     local = value._lite_local_state()
     run = current()
-    ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
+    try:
+        ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
+    except RuntimeError as e:
+        if not in_join():
+            raise
+        raise RuntimeError(
+            f"lite.save could not collect every rank's position of state[{key!r}] inside "
+            "lite.join: a rank that ran out of data has left the loop. Save after the join "
+            "block, where every rank takes part (docs/preemption.md shows the loop)."
+        ) from e
     return {"format": FORMAT, "world_size": run.world_size, "ranks": ranks}
 
 

@@ -414,7 +414,9 @@ def setup_dataloader(
     sharded twice, and other samplers keep their own order, drawn under generators seeded
     alike on every rank. The shuffle seed is rank 0's ``seed_everything`` seed (0 if never
     called), agreed here once. The epoch advances each pass and continues across loaders
-    rebuilt every epoch. Workers are seeded per (base seed, worker, rank).
+    rebuilt every epoch. Workers are seeded per (base seed, worker, rank). The returned loader
+    may be put in the state of ``lite.save``; after ``lite.load`` its next pass continues the
+    saved epoch with the first batch not yet seen.
 
     Raises:
         TypeError: A loader is not a ``DataLoader``; or, when sharding, is a subclass, reads
