@@ -55,7 +55,7 @@ def _reads(*jobs):
     return per_epoch
 
 
-def test_ddp_resumes_exactly_at_the_same_world_size_and_once_across_another(script):
+def test_ddp_resumes_exactly_at_the_same_world_size_and_once_across_others(script):
     # a: outside lite.join, 2 workers per rank, stopped in the middle of epoch 1
     first = _launch(script, "ddp", 2, "a,ref,nojoin,2,0", "a,run,nojoin,2,8")
     assert all(rank["params"] is None for rank in first[1])  # it did stop
@@ -66,7 +66,8 @@ def test_ddp_resumes_exactly_at_the_same_world_size_and_once_across_another(scri
     third = _launch(script, "ddp", 2, "b,run,join,0,0", "r,run,join,0,2")
     _same(third[0], second[1])
     fourth = _launch(script, "ddp", 3, "r,run,join,0,3")
-    fifth = _launch(script, "ddp", 2, "r,run,join,0,0")
+    fifth = _launch(script, "ddp", 2, "r,run,join,0,0", "q,run,join,0,3")
+    sixth = _launch(script, "single", 1, "q,run,join,0,0")  # 2 ranks -> 1 process
 
     # every sample of the resumed runs read once: before the stop, and in what was left
     a = _reads(first[1], second[0])
@@ -76,8 +77,11 @@ def test_ddp_resumes_exactly_at_the_same_world_size_and_once_across_another(scri
     assert all(sorted(b[e]) == list(range(N)) for e in b)  # inside join: each sample once
     r = _reads(third[1], fourth[0], fifth[0])
     assert [len(rank["read"]["0"]) for rank in fourth[0]] == [4, 4, 4]  # 3 ranks took part
-    for epoch in ("0", "1", "2"):
-        assert sorted(r[epoch]) == list(range(N)), f"epoch {epoch}: {sorted(r[epoch])}"
+    q = _reads(fifth[1], sixth[0])
+    assert len(sixth[0][0]["read"]["0"]) == N - 2 * 3 * 4  # what the 2 ranks left, in 1 process
+    for reads in (r, q):
+        for epoch in ("0", "1", "2"):
+            assert sorted(reads[epoch]) == list(range(N)), f"epoch {epoch}: {sorted(reads[epoch])}"
 
 
 def test_fsdp_resumes_exactly(script):

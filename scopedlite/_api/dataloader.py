@@ -111,6 +111,7 @@ class DeviceDataLoader:
         self._iterated_here = False
         self._iterated_before = False
         self._pass_drew_seed = True
+        self._pass_reshard: tuple[int, Interrupted | None] | None = None  # (seed, resumed) of a resharded pass
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass (it then advances by one per pass)."""
@@ -190,13 +191,24 @@ class DeviceDataLoader:
         self._pass_padded = not in_join()
         self._pass_share = _items(self.loader)
         self._pass_drew_seed = not (self.loader.persistent_workers and (self._iterated_here or self._iterated_before))
+        self._pass_reshard = None
         self._in_pass = True
         if pending is None:
             self._position = 0
             return self.loader
         self._position = pending.skip
         self._pass_drew_seed = pending.drew_seed
-        return resumed_loader(self.loader, pending)
+        loader = self.loader
+        if pending.reshard_seed is not None:  # one process finishing a pass begun by several
+            loader = _shard_loader(self.loader, 0, 1, pending.reshard_seed)
+            holders = _epoch_holders(loader)
+            forward_epoch(epoch, *holders)
+            for holder in holders:
+                if isinstance(holder, (ShardedSampler, ShardedBatchSampler)):
+                    holder.resumed = pending.resumed
+            self._pass_share = _items(loader)
+            self._pass_reshard = (pending.reshard_seed, pending.resumed)
+        return resumed_loader(loader, pending)
 
     def _sharded_samplers(self) -> list[Any]:
         return [h for h in self._holders if isinstance(h, (ShardedSampler, ShardedBatchSampler))]
@@ -215,6 +227,9 @@ class DeviceDataLoader:
             _refuse_mid_pass(self.loader)
         samplers = self._sharded_samplers()
         resumed = samplers[0].resumed if samplers else None
+        reshard_seed = None
+        if self._in_pass and self._pass_reshard is not None:
+            reshard_seed, resumed = self._pass_reshard
         return {
             "in_pass": self._in_pass,
             "epoch": self._pass_epoch if self._in_pass else self._epoch,
@@ -222,7 +237,9 @@ class DeviceDataLoader:
             "taken": min(self._position * self._units_per_batch(), self._pass_share),
             "padded": self._pass_padded,
             "drop_last": bool(getattr(samplers[0], "_drop_last", False)) if samplers else False,
-            "sharded": bool(samplers),
+            "sharded": bool(samplers) or reshard_seed is not None,
+            "seed": samplers[0].seed if samplers else reshard_seed,
+            "reshard_seed": reshard_seed,
             "resumed": resumed.to_state() if resumed is not None else None,
             "pass_rng": self._pass_rng,
             "rng": rng.capture(self.loader.generator),
@@ -251,19 +268,25 @@ class DeviceDataLoader:
         epoch = int(next(r["epoch"] for r in ranks if r["in_pass"]))
         before = Interrupted.from_state(ranks[0]["resumed"])
         if len(ranks) == world_size and mine is not None:
-            pending = Pending(epoch, int(mine["position"]), mine["pass_rng"], mine["rng"], before, bool(mine["drew_seed"]))
+            reshard = mine.get("reshard_seed")
+            pending = Pending(
+                epoch, int(mine["position"]), mine["pass_rng"], mine["rng"], before, bool(mine["drew_seed"]), reshard
+            )
         else:
-            if not (all(r["sharded"] for r in ranks) and self._sharded_samplers()):
+            sharded_here = bool(self._sharded_samplers())
+            if not (all(r["sharded"] for r in ranks) and (sharded_here or world_size == 1)):
                 raise ValueError(
                     f"This loader was saved in the middle of epoch {epoch} by a run of "
                     f"{len(ranks)} process(es) and is loaded by one of {world_size}: the rest of "
-                    "a pass can be dealt out to another number of ranks only when both runs "
-                    "shard the loader (2 or more processes, use_distributed_sampler=True). "
-                    "Resume with the same number of processes, or save at the end of an epoch."
+                    "a pass can be dealt out to another number of ranks only when the saving run "
+                    "sharded the loader (2 or more processes, use_distributed_sampler=True) and "
+                    "the loading one shards it too or is one process. Resume with the same "
+                    "number of processes, or save at the end of an epoch."
                 )
             taken = tuple(int(r["taken"]) for r in ranks)
             interrupted = Interrupted(len(ranks), taken, bool(ranks[0]["padded"]), bool(ranks[0]["drop_last"]), before)
-            pending = Pending(epoch, 0, None, mine["rng"] if mine is not None else None, interrupted)
+            reshard = None if sharded_here else int(ranks[0]["seed"])
+            pending = Pending(epoch, 0, None, mine["rng"] if mine is not None else None, interrupted, True, reshard)
         self._pending = pending
         self._epoch = epoch
 

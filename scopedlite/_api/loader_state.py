@@ -98,6 +98,9 @@ class Pending:
         resumed: What the sharded sampler's order is reduced to for this pass.
         drew_seed: Whether the interrupted pass drew its workers' base seed from the loader's
             generator (or torch's): not when its persistent workers were already running.
+        reshard_seed: Set when a single process continues a pass that several processes
+            began: its loader is not sharded, so the pass is read through a sharded copy (one
+            rank of one) drawing the order with the seed the saving run shuffled with.
     """
 
     epoch: int
@@ -106,6 +109,7 @@ class Pending:
     rng: dict[str, Any] | None
     resumed: Interrupted | None
     drew_seed: bool = True
+    reshard_seed: int | None = None
 
 
 class _SkipThenRestore(Sampler[Any]):
