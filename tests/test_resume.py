@@ -11,8 +11,7 @@ The rest (what is saved, bad input) runs in this process.
 
 from __future__ import annotations
 
-import os
-import signal
+import itertools
 import subprocess
 import sys
 import time
@@ -182,4 +181,26 @@ def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(
     resumed += _values(batches) + _values(restarted)
     assert resumed == expected
     assert torch.equal(torch.rand(3), later)  # the next pass drew what the uninterrupted one drew
-    assert sorted(sum(seen + resumed[:2], [])) == [float(i) for i in range(10)]  # the pass: each once
+    assert sorted(itertools.chain(*seen, *resumed[:2])) == [float(i) for i in range(10)]  # the pass: each once
+
+
+def test_several_processes_cannot_take_over_an_epoch_one_process_began(tmp_path):
+    loader = lite.setup_dataloader(_loader(shuffle=True))
+    next(iter(loader))
+    lite.save(tmp_path / "c.pt", {"loader": loader})
+    entry = lite.load(tmp_path / "c.pt")["loader"]
+    restarted = lite.setup_dataloader(_loader(shuffle=True))
+    with pytest.raises(ValueError, match=r"saved in the middle of epoch \d+ by a run of 1 process"):
+        restarted._lite_load_state(entry, 0, 2)  # what lite.load does on rank 0 of 2
+
+
+def test_a_loader_over_an_iterable_dataset_is_refused_mid_pass_at_save(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(6))
+
+    loader = lite.setup_dataloader(DataLoader(Stream(), batch_size=2))
+    lite.save(tmp_path / "between.pt", {"loader": loader})  # between passes: fine
+    next(iter(loader))
+    with pytest.raises(TypeError, match="IterableDataset"):
+        lite.save(tmp_path / "c.pt", {"loader": loader})

@@ -16,7 +16,13 @@ from torch.utils.data import (
 from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
 from scopedlite._api.join import in_join
-from scopedlite._api.loader_state import FORMAT, Interrupted, Pending, resumed_loader, spare_generator
+from scopedlite._api.loader_state import (
+    FORMAT,
+    Interrupted,
+    Pending,
+    resumed_loader,
+    spare_generator,
+)
 from scopedlite._api.rank_zero import in_rank_zero_first
 from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
 from scopedlite._api.seed import SeedWorker, current_seed

@@ -21,9 +21,9 @@ import signal
 import sys
 
 import torch
+from _common import write
 
 import scopedlite as lite
-from _common import write
 
 strategy, devices, jobs = sys.argv[1], int(sys.argv[2]), [j.split(",") for j in sys.argv[3:]]
 EPOCHS, N = 3, 33
