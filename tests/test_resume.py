@@ -204,3 +204,22 @@ def test_a_loader_over_an_iterable_dataset_is_refused_mid_pass_at_save(tmp_path)
     next(iter(loader))
     with pytest.raises(TypeError, match="IterableDataset"):
         lite.save(tmp_path / "c.pt", {"loader": loader})
+
+
+def test_a_run_stopped_again_before_its_first_batch_saves_the_loaded_position(tmp_path):
+    lite.seed_everything(1)
+    loader = lite.setup_dataloader(_loader(shuffle=True))
+    batches = iter(loader)
+    next(batches)
+    lite.save(tmp_path / "c.pt", {"loader": loader})
+    expected = _values(batches)
+
+    for _ in range(2):  # restarted, loaded, and stopped again at once
+        lite.seed_everything(1)
+        restarted = lite.setup_dataloader(_loader(shuffle=True))
+        lite.load(tmp_path / "c.pt", {"loader": restarted})
+        lite.save(tmp_path / "c.pt", {"loader": restarted})
+    lite.seed_everything(1)
+    restarted = lite.setup_dataloader(_loader(shuffle=True))
+    lite.load(tmp_path / "c.pt", {"loader": restarted})
+    assert _values(restarted) == expected

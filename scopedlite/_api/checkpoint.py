@@ -105,6 +105,9 @@ def _loader_entry(key: str, value: Any) -> Any:
         )
     if not isinstance(value, DeviceDataLoader):
         return value
+    unstarted = value._lite_unstarted_entry()
+    if unstarted is not None:  # loaded, and stopped again before the resumed pass began
+        return unstarted
     local = value._lite_local_state()
     run = current()
     try:

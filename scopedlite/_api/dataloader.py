@@ -112,6 +112,7 @@ class DeviceDataLoader:
         self._pass_padded = False
         self._pass_share = 0  # this rank's count of sampler items in the pass
         self._pending: Pending | None = None
+        self._pending_entry: dict[str, Any] | None = None  # the checkpoint entry _pending came from
         # persistent workers draw their base seed once per process, when started: whether this
         # process started them, and whether the run (before a restart) had
         self._iterated_here = False
@@ -148,7 +149,7 @@ class DeviceDataLoader:
         return None
 
     def __iter__(self) -> Iterator[Any]:
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._pending_entry = self._pending, None, None
         epoch = self._start_pass()
         if pending is not None and pending.epoch != epoch:
             pending = None  # the script chose another epoch itself: a fresh pass of it
@@ -227,6 +228,11 @@ class DeviceDataLoader:
             return 1
         return int(batch_sampler.batch_size)
 
+    def _lite_unstarted_entry(self) -> dict[str, Any] | None:
+        """The loaded checkpoint entry, while the pass it resumes has not begun: saved again
+        as it is, so a run stopped again before its first batch loses nothing."""
+        return self._pending_entry
+
     def _lite_local_state(self) -> dict[str, Any]:
         """This rank's part of the loader's checkpoint entry (see ``lite.save``)."""
         if self._in_pass and self._position > 0:
@@ -294,6 +300,7 @@ class DeviceDataLoader:
             reshard = None if sharded_here else int(ranks[0]["seed"])
             pending = Pending(epoch, 0, None, mine["rng"] if mine is not None else None, interrupted, True, reshard)
         self._pending = pending
+        self._pending_entry = saved
         self._epoch = epoch
 
     def __len__(self) -> int:
