@@ -19,9 +19,10 @@ import time
 import pytest
 import torch
 from conftest import SCRIPTS, _env
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 import scopedlite as lite
+from scopedlite import ShardedSampler
 from scopedlite._api.loader_state import Interrupted
 
 pytestmark = pytest.mark.timeout(240)
@@ -223,3 +224,17 @@ def test_a_run_stopped_again_before_its_first_batch_saves_the_loaded_position(tm
     restarted = lite.setup_dataloader(_loader(shuffle=True))
     lite.load(tmp_path / "c.pt", {"loader": restarted})
     assert _values(restarted) == expected
+
+
+def test_the_rest_of_a_pass_on_another_world_size_is_padded_outside_join_only():
+    # 9 items on 2 ranks, padded to 10: each rank took 2, so positions 0..3 are read
+    interrupted = Interrupted(2, (2, 2), padded=True, drop_last=False)
+    samplers = [ShardedSampler(SequentialSampler(range(9)), rank, 3) for rank in range(3)]
+    for sampler in samplers:
+        sampler.resumed = interrupted
+    shares = [(list(s), len(s)) for s in samplers]
+    # what is left, 4..8, padded to 6 by repeating its first item, as DistributedSampler pads
+    assert shares == [([4, 7], 2), ([5, 8], 2), ([6, 4], 2)]
+    with lite.join():  # inside join: each once
+        assert [list(s) for s in samplers] == [[4, 7], [5, 8], [6]]
+        assert [len(s) for s in samplers] == [2, 2, 1]
