@@ -12,6 +12,8 @@ The rest (what is saved, bad input) runs in this process.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -102,9 +104,15 @@ def test_single_resumes_from_the_last_complete_checkpoint_after_sigkill_mid_save
     checkpoint, partial = tmp_path / "k.ckpt", []
     deadline = time.monotonic() + 60
     try:
-        while not partial and proc.poll() is None and time.monotonic() < deadline:
+        while proc.poll() is None and time.monotonic() < deadline:
             if checkpoint.exists():  # one complete checkpoint, then catch the next one mid-write
                 partial = [p for p in tmp_path.iterdir() if p.name.startswith(".k.ckpt.")]
+                if partial:
+                    os.kill(proc.pid, signal.SIGSTOP)  # frozen where it is
+                    if partial[0].exists():
+                        break  # in the middle of writing it
+                    os.kill(proc.pid, signal.SIGCONT)  # it had just finished that one: the next
+                    partial = []
             time.sleep(0.001)
     finally:
         proc.kill()
