@@ -100,3 +100,40 @@ def test_example_sharded_trains_saves_and_consolidates(run_python, tmp_path, str
     assert (tmp_path / "sharded-ckpt").is_dir()
     loaded, in_run = map(float, re.search(r"loss ([0-9.]+) \(in the run: ([0-9.]+)\)", result.stdout).groups())
     assert loaded == pytest.approx(in_run, rel=1e-4, abs=1e-6), result.stdout
+
+
+def test_example_resume_stops_on_sigterm_and_continues_where_it_stopped(run_python, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import _env
+
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "examples" / "resume.py")],
+        env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:  # the launch has started and trains: preempt it
+            lines.append(line)
+            if line.startswith("step 3"):
+                os.kill(proc.pid, signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    first = "".join(lines) + out
+    assert proc.returncode == 143, f"exit {proc.returncode}\n{first}\n{err}"  # as a process ended by SIGTERM
+    epoch, step = map(int, re.search(r"stopped at epoch (\d+), step (\d+): saved", first).groups())
+    assert epoch == 0 and 3 <= step < 24, first
+    assert (tmp_path / "resume-ckpt.pt").is_file()
+
+    result = run_python(str(REPO / "examples" / "resume.py"))
+    assert result.returncode == 0, result.explain()
+    assert f"resumed at epoch {epoch}, step {step}" in result.stdout
+    # 512 samples on 2 ranks in batches of 32: 8 steps an epoch, 24 in 3, however it was cut
+    steps = [int(s) for s in re.findall(r"^step (\d+)", result.stdout, re.M)]
+    assert steps == list(range(step + 1, 25)), result.stdout
+    assert "finished after 24 steps on 2 process(es)" in result.stdout

@@ -4,6 +4,10 @@ Rank 0 writes the file to a temporary name in the same folder, syncs it to disk 
 it over the target, so a crash at any moment leaves either the previous checkpoint or the
 new one, never half a file. Loading uses ``weights_only=True`` unless asked otherwise by
 name: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
+
+A loader from ``setup_dataloader`` may be an entry of the state: what is saved is every
+rank's position in its pass and random states (see ``loader_state``), and loading makes the
+loader's next pass continue where the saved one stopped.
 """
 
 from __future__ import annotations
@@ -12,8 +16,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from scopedlite._api.collectives import barrier
+from torch.utils.data import DataLoader
+
+from scopedlite._api.collectives import barrier, broadcast
 from scopedlite._api.current import current
+from scopedlite._api.dataloader import DeviceDataLoader
+from scopedlite._api.join import in_join
+from scopedlite._api.loader_state import FORMAT
+from scopedlite._core.structures import map_tensors
 from scopedlite._io.files import (
     CheckpointError,
     read,
@@ -29,10 +39,12 @@ __all__ = ["CheckpointError", "load", "save"]
 def save(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
     """Save ``state`` to ``path``: modules and optimizers as state dicts, the rest as is.
 
-    Every rank calls it; rank 0 writes; all ranks return once the file is complete.
+    Every rank calls it; rank 0 writes; all ranks return once the file is complete. A loader
+    from ``lite.setup_dataloader`` is saved as every rank's position and random states.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict such as {{'model': model, 'opt': opt}}, got {type(state).__name__}.")
+    state = {key: _loader_entry(key, value) for key, value in state.items()}
     run = current()
     strategy = run.strategy
     if isinstance(strategy, SupportsCheckpoint):  # its own (sharded) checkpoint format
@@ -54,7 +66,9 @@ def load(
     """Load a checkpoint written by :func:`save`.
 
     Modules and optimizers in ``state`` are restored in place; other entries of ``state`` are
-    replaced by the checkpoint's values.
+    replaced by the checkpoint's values. A loader from ``lite.setup_dataloader`` stays in
+    ``state``: its next pass continues the saved one from the first batch not yet seen, and
+    the random states of torch, numpy and Python are those of the save (each rank its own).
 
     Args:
         path: The checkpoint file.
@@ -67,6 +81,51 @@ def load(
     Returns:
         What the checkpoint held that ``state`` did not ask for.
     """
+    loaders = {k: v for k, v in (state or {}).items() if isinstance(v, DeviceDataLoader)}
+    if state is not None and loaders:
+        work = {k: (None if k in loaders else v) for k, v in state.items()}
+        rest = _load(path, work, strict, weights_only)
+        run = current()
+        for key, value in work.items():
+            if key in loaders:
+                if value is not None:  # absent only with strict=False: the loader stays as it is
+                    loaders[key]._lite_load_state(value, run.global_rank, run.world_size)
+            else:
+                state[key] = value
+        return rest
+    return _load(path, state, strict, weights_only)
+
+
+def _loader_entry(key: str, value: Any) -> Any:
+    """A loader of ``setup_dataloader`` as checkpoint data: every rank's state (a collective)."""
+    if isinstance(value, DataLoader):
+        raise TypeError(
+            f"state[{key!r}] is a plain DataLoader; only the loader lite.setup_dataloader returns "
+            "knows its position and can be saved: `loader = lite.setup_dataloader(loader)`."
+        )
+    if not isinstance(value, DeviceDataLoader):
+        return value
+    unstarted = value._lite_unstarted_entry()
+    if unstarted is not None:  # loaded, and stopped again before the resumed pass began
+        return unstarted
+    local = value._lite_local_state()
+    run = current()
+    try:
+        ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
+    except RuntimeError as e:
+        if not in_join():
+            raise
+        raise RuntimeError(
+            f"lite.save could not collect every rank's position of state[{key!r}] inside "
+            "lite.join: a rank that ran out of data has left the loop. Save after the join "
+            "block, where every rank takes part (docs/preemption.md shows the loop)."
+        ) from e
+    return {"format": FORMAT, "world_size": run.world_size, "ranks": ranks}
+
+
+def _load(
+    path: str | os.PathLike[str], state: dict[str, Any] | None, strict: bool, weights_only: bool
+) -> dict[str, Any]:
     run = current()
     strategy = run.strategy
     if isinstance(strategy, SupportsCheckpoint) and state is not None:  # its own checkpoint format

@@ -33,6 +33,7 @@ from torch.utils.data import (
 )
 
 from scopedlite._api.join import in_join
+from scopedlite._api.loader_state import Interrupted
 from scopedlite._api.seed import seeded_generators
 
 __all__ = ["ShardedBatchSampler", "ShardedSampler", "forward_epoch"]
@@ -166,6 +167,8 @@ class ShardedSampler(Sampler[int]):
         self.world_size = world_size
         self.seed = seed
         self.epoch = 0
+        # set by the loader for one pass resumed at another world size (see loader_state)
+        self.resumed: Interrupted | None = None
         self._n, self._order, self._drop_last = _order_rule(sampler, rank, world_size, seed)
 
     def set_epoch(self, epoch: int) -> None:
@@ -176,10 +179,13 @@ class ShardedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self._order(self.epoch)
+        if self.resumed is not None:
+            order = [order[p] for p in self.resumed.remaining(len(order))]
         return iter(_share(order, self.rank, self.world_size, not in_join(), self._drop_last))
 
     def __len__(self) -> int:
-        return _count(self._n, self.rank, self.world_size, not in_join(), self._drop_last)
+        n = len(self.resumed.remaining(self._n)) if self.resumed is not None else self._n
+        return _count(n, self.rank, self.world_size, not in_join(), self._drop_last)
 
 
 class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
@@ -201,6 +207,7 @@ class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
         self.world_size = world_size
         self.seed = seed
         self.epoch = 0
+        self.resumed: Interrupted | None = None  # as for ShardedSampler
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in each epoch; passed on to the batch sampler and to the
@@ -210,7 +217,10 @@ class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[list]:  # type: ignore[type-arg]
         batches = _drawn(self.batch_sampler, self.seed + self.epoch)
+        if self.resumed is not None:
+            batches = [batches[p] for p in self.resumed.remaining(len(batches))]
         return iter(_share(batches, self.rank, self.world_size, pad=not in_join()))
 
     def __len__(self) -> int:
-        return _count(self._n, self.rank, self.world_size, pad=not in_join())
+        n = len(self.resumed.remaining(self._n)) if self.resumed is not None else self._n
+        return _count(n, self.rank, self.world_size, pad=not in_join())

@@ -1,0 +1,248 @@
+"""A preempted run resumes exactly where it stopped (issue 17).
+
+The multi-process tests run tests/scripts/resume.py (dropout in the model, ``shuffle=True``,
+the loader in the checkpoint) in chains of launches: a launch may finish the previous
+launch's interrupted job, run the next job's uninterrupted reference, then be stopped by a
+real SIGTERM in that job (or killed with SIGKILL while it writes a checkpoint), and the next
+launch restarts from the checkpoint. Final parameters must equal the reference's exactly;
+across a change of world size, the interrupted epoch must read every sample exactly once.
+The rest (what is saved, bad input) runs in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import SCRIPTS, _env
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+
+import scopedlite as lite
+from scopedlite import ShardedSampler
+from scopedlite._api.loader_state import Interrupted
+
+pytestmark = pytest.mark.timeout(240)
+
+N, EPOCHS = 33, 3
+
+
+def _launch(script, strategy, devices, *jobs):
+    result = script("resume", strategy, devices, *jobs, timeout=120)
+    assert result.returncode == 0, result.explain()
+    return result.json()
+
+
+def _same(resumed_job, reference_job):
+    for rank, (resumed, reference) in enumerate(zip(resumed_job, reference_job)):
+        assert resumed["params"] is not None, f"rank {rank} did not finish"
+        difference = max(
+            abs(a - b) for p, q in zip(resumed["params"], reference["params"]) for a, b in zip(p, q)
+        )
+        assert difference == 0.0, f"rank {rank}: parameters differ from the uninterrupted run by {difference}"
+
+
+def _reads(*jobs):
+    """Sample indices read per epoch, over all ranks of the given (partial) runs."""
+    per_epoch: dict[str, list[int]] = {}
+    for job in jobs:
+        for rank in job:
+            for epoch, indices in rank["read"].items():
+                per_epoch.setdefault(epoch, []).extend(indices)
+    return per_epoch
+
+
+def test_ddp_resumes_exactly_at_the_same_world_size_and_once_across_others(script):
+    # a: outside lite.join, 2 workers per rank, stopped in the middle of epoch 1
+    first = _launch(script, "ddp", 2, "a,ref,nojoin,2,0", "a,run,nojoin,2,8")
+    assert all(rank["params"] is None for rank in first[1])  # it did stop
+    # b: inside lite.join, stopped on rank 0's last batch of epoch 0, after rank 1 ran out
+    second = _launch(script, "ddp", 2, "a,run,nojoin,2,0", "b,ref,join,0,0", "b,run,join,0,5")
+    _same(second[0], first[0])
+    # r: inside lite.join, 2 ranks -> 3 -> 2 within epoch 0
+    third = _launch(script, "ddp", 2, "b,run,join,0,0", "r,run,join,0,2")
+    _same(third[0], second[1])
+    fourth = _launch(script, "ddp", 3, "r,run,join,0,3")
+    fifth = _launch(script, "ddp", 2, "r,run,join,0,0", "q,run,join,0,3")
+    sixth = _launch(script, "single", 1, "q,run,join,0,0")  # 2 ranks -> 1 process
+
+    # every sample of the resumed runs read once: before the stop, and in what was left
+    a = _reads(first[1], second[0])
+    b = _reads(second[2], third[0])
+    for reads in (a, b):
+        assert sorted(reads) == ["0", "1", "2"]
+    assert all(sorted(b[e]) == list(range(N)) for e in b)  # inside join: each sample once
+    r = _reads(third[1], fourth[0], fifth[0])
+    assert [len(rank["read"]["0"]) for rank in fourth[0]] == [4, 4, 4]  # 3 ranks took part
+    q = _reads(fifth[1], sixth[0])
+    assert len(sixth[0][0]["read"]["0"]) == N - 2 * 3 * 4  # what the 2 ranks left, in 1 process
+    for reads in (r, q):
+        for epoch in ("0", "1", "2"):
+            assert sorted(reads[epoch]) == list(range(N)), f"epoch {epoch}: {sorted(reads[epoch])}"
+
+
+def test_fsdp_resumes_exactly(script):
+    first = _launch(script, "fsdp", 2, "f,ref,nojoin,0,0", "f,run,nojoin,0,12")
+    assert all(rank["params"] is None for rank in first[1])
+    second = _launch(script, "fsdp", 2, "f,run,nojoin,0,0")
+    _same(second[0], first[0])
+
+
+def test_single_resumes_from_the_last_complete_checkpoint_after_sigkill_mid_save(tmp_path, script):
+    # k saves after every step, with 16 MB in each checkpoint; it is killed while writing one
+    env = _env()
+    env["OUT"] = str(tmp_path / "killed.json")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "resume.py"), "single", "1", "k,every,nojoin,0,0"],
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    checkpoint, partial = tmp_path / "k.ckpt", []
+    deadline = time.monotonic() + 60
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if checkpoint.exists():  # one complete checkpoint, then catch the next one mid-write
+                partial = [p for p in tmp_path.iterdir() if p.name.startswith(".k.ckpt.")]
+                if partial:
+                    os.kill(proc.pid, signal.SIGSTOP)  # frozen where it is
+                    if partial[0].exists():
+                        break  # in the middle of writing it
+                    os.kill(proc.pid, signal.SIGCONT)  # it had just finished that one: the next
+                    partial = []
+            time.sleep(0.001)
+    finally:
+        proc.kill()
+        _, stderr = proc.communicate(timeout=30)
+    assert partial, f"the run ended (exit {proc.returncode}) before it could be killed mid-save:\n{stderr}"
+    assert partial[0].exists()  # killed in the middle: the temporary file stays, the checkpoint is whole
+    # s: one process, 2 workers, SIGTERM in the middle of epoch 0
+    second = _launch(script, "single", 1, "k,run,nojoin,0,0", "k,ref,nojoin,0,0", "s,run,nojoin,2,3")
+    _same(second[0], second[1])
+    third = _launch(script, "single", 1, "s,run,nojoin,2,0")
+    _same(third[0], second[1])
+    reads = _reads(second[2], third[0])
+    assert all(sorted(reads[e]) == list(range(N)) for e in ("0", "1", "2"))
+
+
+# --- in this process ---------------------------------------------------------------------
+
+
+def test_interrupted_remaining_deals_out_exactly_the_untaken_positions():
+    # 2 ranks, padded: rank 0 read positions 0, 2, 4; rank 1 read 1, 3 of 7 (padded to 8)
+    assert Interrupted(2, (3, 2), padded=True, drop_last=False).remaining(7) == [5, 6]
+    # padding wraps around: 5 items on 4 ranks pad to 8 (positions 5..7 are items 0..2)
+    assert Interrupted(4, (2, 2, 2, 2), padded=True, drop_last=False).remaining(5) == []
+    assert Interrupted(4, (1, 1, 1, 1), padded=True, drop_last=False).remaining(5) == [4]
+    # inside join ranks may have taken different counts
+    assert Interrupted(3, (2, 0, 1), padded=False, drop_last=False).remaining(7) == [1, 4, 5, 6]
+    # a resumed pass interrupted again: positions are those of the earlier remainder
+    first = Interrupted(2, (1, 1), padded=False, drop_last=False)
+    assert Interrupted(3, (1, 0, 0), padded=False, drop_last=False, before=first).remaining(6) == [3, 4, 5]
+    state = Interrupted(3, (1, 0, 0), False, False, before=first).to_state()
+    assert Interrupted.from_state(state) == Interrupted(3, (1, 0, 0), False, False, before=first)
+
+
+def _loader(**kwargs):
+    data = TensorDataset(torch.arange(10).float())
+    return DataLoader(data, batch_size=3, **kwargs)
+
+
+def test_a_plain_dataloader_in_the_state_is_refused_at_save(tmp_path):
+    with pytest.raises(TypeError, match="lite.setup_dataloader"):
+        lite.save(tmp_path / "c.pt", {"loader": _loader()})
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_an_entry_that_is_not_a_loader_state_is_refused_at_load(tmp_path):
+    lite.save(tmp_path / "c.pt", {"loader": 3})
+    with pytest.raises(ValueError, match="not a loader state"):
+        lite.load(tmp_path / "c.pt", {"loader": lite.setup_dataloader(_loader())})
+
+
+def _values(batches):
+    return [batch[0].tolist() for batch in batches]
+
+
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "persistent_workers": True}], ids=["plain", "persistent_workers"])
+def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(tmp_path, workers):
+    # persistent workers draw their base seed once per process: the restart must not draw it again
+    lite.seed_everything(1)
+    loader = lite.setup_dataloader(_loader(shuffle=True, **workers))
+    batches = iter(loader)
+    seen = _values([next(batches), next(batches)])
+    lite.save(tmp_path / "c.pt", {"loader": loader})
+    expected = _values([next(batches)])
+    draw = torch.rand(3)  # dropout, say, after the save
+    expected += _values(batches) + _values(loader)  # the rest of the pass, then the next pass
+    later = torch.rand(3)
+
+    lite.seed_everything(1)
+    restarted = lite.setup_dataloader(_loader(shuffle=True, **workers))
+    torch.rand(100)  # a restarted process has drawn something else meanwhile
+    lite.load(tmp_path / "c.pt", {"loader": restarted})
+    batches = iter(restarted)
+    resumed = _values([next(batches)])
+    assert torch.equal(torch.rand(3), draw)  # the random state of the save, before the next batch
+    resumed += _values(batches) + _values(restarted)
+    assert resumed == expected
+    assert torch.equal(torch.rand(3), later)  # the next pass drew what the uninterrupted one drew
+    assert sorted(itertools.chain(*seen, *resumed[:2])) == [float(i) for i in range(10)]  # the pass: each once
+
+
+def test_several_processes_cannot_take_over_an_epoch_one_process_began(tmp_path):
+    loader = lite.setup_dataloader(_loader(shuffle=True))
+    next(iter(loader))
+    lite.save(tmp_path / "c.pt", {"loader": loader})
+    entry = lite.load(tmp_path / "c.pt")["loader"]
+    restarted = lite.setup_dataloader(_loader(shuffle=True))
+    with pytest.raises(ValueError, match=r"saved in the middle of epoch \d+ by a run of 1 process"):
+        restarted._lite_load_state(entry, 0, 2)  # what lite.load does on rank 0 of 2
+
+
+def test_a_loader_over_an_iterable_dataset_is_refused_mid_pass_at_save(tmp_path):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(6))
+
+    loader = lite.setup_dataloader(DataLoader(Stream(), batch_size=2))
+    lite.save(tmp_path / "between.pt", {"loader": loader})  # between passes: fine
+    next(iter(loader))
+    with pytest.raises(TypeError, match="IterableDataset"):
+        lite.save(tmp_path / "c.pt", {"loader": loader})
+
+
+def test_a_run_stopped_again_before_its_first_batch_saves_the_loaded_position(tmp_path):
+    lite.seed_everything(1)
+    loader = lite.setup_dataloader(_loader(shuffle=True))
+    batches = iter(loader)
+    next(batches)
+    lite.save(tmp_path / "c.pt", {"loader": loader})
+    expected = _values(batches)
+
+    for _ in range(2):  # restarted, loaded, and stopped again at once
+        lite.seed_everything(1)
+        restarted = lite.setup_dataloader(_loader(shuffle=True))
+        lite.load(tmp_path / "c.pt", {"loader": restarted})
+        lite.save(tmp_path / "c.pt", {"loader": restarted})
+    lite.seed_everything(1)
+    restarted = lite.setup_dataloader(_loader(shuffle=True))
+    lite.load(tmp_path / "c.pt", {"loader": restarted})
+    assert _values(restarted) == expected
+
+
+def test_the_rest_of_a_pass_on_another_world_size_is_padded_outside_join_only():
+    # 9 items on 2 ranks, padded to 10: each rank took 2, so positions 0..3 are read
+    interrupted = Interrupted(2, (2, 2), padded=True, drop_last=False)
+    samplers = [ShardedSampler(SequentialSampler(range(9)), rank, 3) for rank in range(3)]
+    for sampler in samplers:
+        sampler.resumed = interrupted
+    shares = [(list(s), len(s)) for s in samplers]
+    # what is left, 4..8, padded to 6 by repeating its first item, as DistributedSampler pads
+    assert shares == [([4, 7], 2), ([5, 8], 2), ([6, 4], 2)]
+    with lite.join():  # inside join: each once
+        assert [list(s) for s in samplers] == [[4, 7], [5, 8], [6]]
+        assert [len(s) for s in samplers] == [2, 2, 1]
