@@ -6,6 +6,7 @@ Checked against deepspeed 0.19.8. DeepSpeed is imported by the caller; nothing h
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -44,6 +45,20 @@ def forget_forward_stack(module: torch.nn.Module) -> None:
         stack[:] = [m for m in stack if id(m) not in mine]
     coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
     cls = getattr(coordinator, "PartitionedParameterCoordinator", None)
-    cached = getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None)
-    if cached is not None and hasattr(cached, "cache_clear"):
+    cached = _lru_cache_of(getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None))
+    if cached is not None:
         cached.cache_clear()
+
+
+def _lru_cache_of(function: Any) -> Any:
+    """The ``functools.lru_cache`` wrapper inside ``function``'s decorators (DeepSpeed's
+    ``instrument_w_nvtx`` keeps it in a closure cell, without ``__wrapped__``)."""
+    for _ in range(4):
+        if function is None or hasattr(function, "cache_clear"):
+            return function
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            cells = [c.cell_contents for c in (getattr(function, "__closure__", None) or ())]
+            inner = next((c for c in cells if callable(c)), None)
+        function = inner
+    return None

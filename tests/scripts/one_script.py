@@ -219,7 +219,8 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     # -- a user attribute the wrapper has a name of its own for ------------------------------
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shadowing = lite.setup(WithConfig())
+        net = WithConfig()
+        shadowing, _ = lite.setup(net, sgd(net))  # ZeRO 1/2 refuse a model without optimizer
     result["config_is_users"] = shadowing.config == {"depth": 2}
     result["shadow_warnings"] = [str(w.message) for w in caught if "model.module.config" in str(w.message)]
 
