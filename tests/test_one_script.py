@@ -104,6 +104,8 @@ def test_one_script_runs_unchanged_and_matches_ddp(strategy, ddp, tmp_path):
     # Plain keys that load strictly into Net() (the script loads them; the values agree).
     assert result["state_dict_keys"] == result["plain_keys"]
     assert "body.0.weight" in result["state_dict_keys"]
+    if strategy in ("single", "ddp"):
+        assert result["saved_keys"] == result["plain_keys"]
 
     # Folds: a new model each, the old one released (the model and its parameters).
     assert result["fold_0_released"] == [True, True]
@@ -123,11 +125,13 @@ def test_one_script_runs_unchanged_and_matches_ddp(strategy, ddp, tmp_path):
     if family == "deepspeed":
         # One engine per model: a loss of two trained models needs model=..., said so.
         assert "lite.backward(loss, model=model)" in result["ambiguous_backward"]
+        assert "takes a model returned by lite.setup in this run, got a Net" in result["backward_plain_model"]
         # The engine's own `config` wins on the engine; the warning says how to reach the user's.
         assert result["config_is_users"] is False
         assert len(result["shadow_warnings"]) == 1
     else:
         assert result["ambiguous_backward"] == "no error"
+        assert result["backward_plain_model"] == "no error"
         assert result["config_is_users"] is True
         assert result["shadow_warnings"] == []
     if strategy in ("deepspeed_stage_1", "deepspeed_stage_2"):
@@ -135,3 +139,41 @@ def test_one_script_runs_unchanged_and_matches_ddp(strategy, ddp, tmp_path):
         assert "lite.no_backward_sync(model)" in result["second_backward"]
     else:
         assert result["second_backward"] == "no error"
+
+
+def test_backward_refuses_a_model_that_is_not_a_module():
+    import torch
+
+    import scopedlite as lite
+
+    loss = torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum()
+    with pytest.raises(TypeError, match=r"lite.backward\(loss, model=...\) takes the model returned by lite.setup, got str"):
+        lite.backward(loss, model="generator")
+
+
+def test_the_user_methods_are_the_ones_the_users_classes_define():
+    import torch
+
+    from scopedlite._strategies.user_model import user_method_names
+
+    class Base(torch.nn.Module):
+        def encode(self, x):
+            return x
+
+    class Net(Base, torch.nn.Sequential):
+        def forward(self, x):
+            return x
+
+        def generate(self, x):
+            return x
+
+        @staticmethod
+        def helper():
+            return 1
+
+        @property
+        def size(self):
+            return 1
+
+    names = user_method_names(Net)
+    assert sorted(names) == ["encode", "generate"]  # not forward, torch's, static or property

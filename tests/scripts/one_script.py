@@ -148,6 +148,9 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     with torch.no_grad():
         result["plain_score"] = plain.score(probe_x).flatten().tolist()
     model.load_state_dict(model.state_dict())  # the set-up model takes its own state back
+    if strategy in ("single", "ddp"):  # Fabric's `save(path, model.state_dict())`, one file
+        lite.save(directory / "state_dict.pt", model.state_dict())
+        result["saved_keys"] = sorted(lite.load(directory / "state_dict.pt"))
 
     # -- a new model per fold, the old one released -----------------------------------------
     result["folds"] = []
@@ -192,6 +195,13 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     opt_a.zero_grad()
     result["model_a"] = flat(model_a)
     result["model_b"] = flat(model_b)
+    x, y = batch(53)
+    try:  # model= names a model that was not set up: refused where it is used (DeepSpeed)
+        lite.backward(loss_of(model_a, x, y), model=plain)
+        result["backward_plain_model"] = "no error"
+    except TypeError as e:
+        result["backward_plain_model"] = str(e)
+    opt_a.zero_grad()
     del model_a, model_b, opt_a, opt_b, net_a, net_b
 
     # -- checkpoint round trip into a freshly set-up model ------------------------------------
