@@ -60,16 +60,18 @@ class UserModelView(torch.nn.Module):
 
     lite_always_through_forward: ClassVar[bool] = False
 
-    @property
-    def lite_user_module(self) -> torch.nn.Module:
-        return self._modules["module"]  # type: ignore[return-value]
+    def _lite_inner(self) -> torch.nn.Module | None:
+        # Read from __dict__: during unpickling or copying the attribute may not exist yet, and
+        # reading it through getattr would come back here forever.
+        modules = self.__dict__.get("_modules")
+        return modules.get("module") if modules is not None else None
 
     def __getattr__(self, name: str) -> Any:
         try:  # the wrapper's own parameters, buffers and submodules ("module")
             return torch.nn.Module.__getattr__(self, name)
         except AttributeError:
             pass
-        inner = self._modules.get("module")
+        inner = self._lite_inner()
         if inner is None or not hasattr(inner, name):
             raise AttributeError(
                 f"'{type(self).__name__}' object (the model returned by lite.setup) has no "
@@ -80,7 +82,7 @@ class UserModelView(torch.nn.Module):
         return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        inner = self._modules.get("module")
+        inner = self._lite_inner()
         if inner is not None and not self._lite_has_own(name) and hasattr(inner, name):
             setattr(inner, name, value)  # e.g. ``model.scale = 2.0`` changes what forward reads
             return
@@ -92,15 +94,15 @@ class UserModelView(torch.nn.Module):
         return any(name in self.__dict__.get(store, {}) for store in ("_parameters", "_buffers", "_modules"))
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(dir(self._modules["module"])))
+        return sorted(set(super().__dir__()) | set(dir(self._lite_inner())))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """The user's module's state dict: the keys of the plain module (no ``module.``)."""
-        return self._modules["module"].state_dict(*args, **kwargs)  # type: ignore[union-attr]
+        return self._lite_inner().state_dict(*args, **kwargs)  # type: ignore[union-attr]
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict of the plain module (the keys ``state_dict()`` gives)."""
-        return self._modules["module"].load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[union-attr]
+        return self._lite_inner().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[union-attr]
 
 
 @functools.cache

@@ -52,7 +52,7 @@ class EngineView(UserModelView):
     """
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        inner = self._modules["module"]
+        inner = self._lite_inner()
         assert inner is not None
         if self.zero_optimization_stage() != 3 or kwargs.get("keep_vars"):
             return inner.state_dict(*args, **kwargs)
@@ -66,7 +66,7 @@ class EngineView(UserModelView):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        inner = self._modules["module"]
+        inner = self._lite_inner()
         assert inner is not None
         if self.zero_optimization_stage() == 3:
             import deepspeed
