@@ -177,3 +177,13 @@ def test_the_user_methods_are_the_ones_the_users_classes_define():
 
     names = user_method_names(Net)
     assert sorted(names) == ["encode", "generate"]  # not forward, torch's, static or property
+
+
+@pytest.mark.timeout(120)
+def test_a_method_of_an_fsdp_unit_gathers_and_trains_as_under_ddp(script):
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        result = script("unit_methods", strategy, timeout=100)
+        assert result.returncode == 0, result.explain()
+        results[strategy] = result.json()["outputs"]
+    assert _max_diff(results["fsdp"], results["ddp"]) <= 1e-6

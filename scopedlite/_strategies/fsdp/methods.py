@@ -27,10 +27,11 @@ __all__ = ["gather_for_user_methods"]
 
 
 def gather_for_user_methods(module: torch.nn.Module, user_class: type[torch.nn.Module]) -> list[str]:
-    """Register the methods ``user_class`` defines on the sharded root ``module``; returns
-    their names. Methods of submodules called from outside (``model.encoder.encode(x)``) are
-    not covered: register those with ``register_fsdp_forward_method(model.encoder, "encode")``
-    after ``lite.setup`` if the submodule is its own FSDP unit."""
+    """Register the methods ``user_class`` defines on ``module``, a sharded root or unit;
+    returns their names. (``type(module)`` after sharding is FSDP's subclass of the user's
+    class, whose own methods are skipped as torch's.) Methods of a submodule that is not its
+    own FSDP unit are not covered when called from outside (``model.encoder.encode(x)``): call
+    them from a method of the model, or make the submodule a unit (``auto_wrap_policy``)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     names = user_method_names(user_class)

@@ -195,8 +195,12 @@ class FSDPStrategy(ProcessGroupStrategy):
         if replay is not None:
             module.to_empty(device=self.placement.device)
             replay.run()
-        # The user's other methods gather the parameters as forward does (methods.py); after
-        # the replay, whose twins copy the module's attributes.
+        # The user's other methods gather the parameters as forward does (methods.py), on the
+        # model and on each submodule that is its own FSDP unit; after the replay, whose twins
+        # copy the module's attributes.
+        for sub in module.modules():
+            if sub is not module and isinstance(sub, FSDPModule):
+                gather_for_user_methods(sub, type(sub))
         gather_for_user_methods(module, user_class)
 
         after = dict(module.named_parameters(remove_duplicate=False))
