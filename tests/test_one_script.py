@@ -137,8 +137,10 @@ def test_one_script_runs_unchanged_and_matches_ddp(strategy, ddp, tmp_path):
     if strategy in ("deepspeed_stage_1", "deepspeed_stage_2"):
         # ZeRO 1/2 would keep only the second backward's gradients: refused, with the fix.
         assert "lite.no_backward_sync(model)" in result["second_backward"]
+        assert "without an optimizer is not available under ZeRO stage" in result["setup_without_optimizer"]
     else:
         assert result["second_backward"] == "no error"
+        assert result["setup_without_optimizer"] == "no error"
 
 
 def test_backward_refuses_a_model_that_is_not_a_module():

@@ -232,6 +232,11 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
         net = WithConfig()
         shadowing, _ = lite.setup(net, sgd(net))  # ZeRO 1/2 refuse a model without optimizer
     result["config_is_users"] = shadowing.config == {"depth": 2}
+    try:  # a model without optimizer: an engine for evaluation, except at ZeRO 1/2
+        lite.setup(build(30))
+        result["setup_without_optimizer"] = "no error"
+    except ValueError as e:
+        result["setup_without_optimizer"] = str(e)
     result["shadow_warnings"] = [str(w.message) for w in caught if "model.module.config" in str(w.message)]
 
     if run.is_global_zero:

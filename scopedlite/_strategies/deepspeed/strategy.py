@@ -230,6 +230,14 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "Put the parameter groups in one optimizer."
             )
         optimizer = optimizers[0] if optimizers else None
+        if optimizer is None and self.stage in (1, 2):
+            raise ValueError(
+                f"lite.setup(model) without an optimizer is not available under ZeRO stage "
+                f"{self.stage}: DeepSpeed builds a stage-{self.stage} engine only around an "
+                "optimizer. For a model that only evaluates (a teacher, a frozen encoder), use "
+                "it without lite.setup (`model.to(lite.current().device)`; at stages 1-2 every "
+                "rank holds all of it), or set it up with an optimizer you never step."
+            )
         with filtered_warnings():
             engine, _, _, _ = self.deepspeed.initialize(
                 model=module.to(self.placement.device) if not is_zero3_partitioned(module) else module,
