@@ -11,7 +11,7 @@ import torch
 from scopedlite._api.current import current
 from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
-from scopedlite._strategies.abilities import SupportsJointSetup
+from scopedlite._strategies.abilities import SupportsJointSetup, SupportsModelBackward
 
 __all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
 
@@ -102,9 +102,29 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
     return (prepared, *(opts if isinstance(opts, tuple) else (opts,)))
 
 
-def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    """``loss.backward()`` the way the strategy needs it (loss scaling, engines)."""
-    current().strategy.backward(loss, *args, **kwargs)
+def backward(loss: torch.Tensor, *args: Any, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+    """``loss.backward()`` the way the strategy needs it (loss scaling, engines).
+
+    Args:
+        loss: The tensor to backpropagate from.
+        *args: Passed on to ``loss.backward`` (not under DeepSpeed, whose engine takes the
+            loss only).
+        model: The set-up model this loss trains. Only needed under DeepSpeed, where each
+            model's engine runs its own backward, and only when the loss depends on several
+            models set up with optimizers (a GAN's generator loss); otherwise the engine is
+            found from the loss. Other strategies accept and ignore it.
+        **kwargs: Passed on to ``loss.backward``.
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"lite.backward(loss, model=...) takes the model returned by lite.setup, got "
+            f"{type(model).__name__}."
+        )
+    strategy = current().strategy
+    if isinstance(strategy, SupportsModelBackward):
+        strategy.backward_model(loss, model, *args, **kwargs)
+    else:
+        strategy.backward(loss, *args, **kwargs)
 
 
 def clip_gradients(

@@ -17,6 +17,7 @@ __all__ = [
     "SupportsDeviceFeed",
     "SupportsJoin",
     "SupportsJointSetup",
+    "SupportsModelBackward",
     "SupportsNoBackwardSync",
 ]
 
@@ -42,6 +43,15 @@ class SupportsJointSetup(Protocol):
     ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
         """Set up a model together with its optimizers, for backends that build one object
         from both (a DeepSpeed engine). ``lite.setup(model, opt)`` prefers this when present."""
+        ...
+
+
+@runtime_checkable
+class SupportsModelBackward(Protocol):
+    def backward_model(self, loss: torch.Tensor, model: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Backward through ``model`` (None: the strategy finds the model that produced
+        ``loss``), for backends where each model runs its own backward (DeepSpeed engines).
+        ``lite.backward(loss, model=model)`` prefers this when present."""
         ...
 
 

@@ -14,6 +14,7 @@ from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.join_session import ProcessGroupJoin
 from scopedlite._strategies.process_group import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
+from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -88,6 +89,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         module = self.placement.precision.convert_module(module.to(self.placement.device))
         device_ids = [self.placement.device.index] if self.placement.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
+        # Answers the user's attributes, methods and plain state dict keys (user_model.py).
+        present_as_user_model(ddp, SetUpDDP)
         self._modules.append(weakref.ref(ddp))
         return ddp
 

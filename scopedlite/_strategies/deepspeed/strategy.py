@@ -31,6 +31,14 @@ from scopedlite._private.deepspeed_internals import is_zero3_partitioned
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
 from scopedlite._strategies.deepspeed.config import ZeroSettings, half_dtype
+from scopedlite._strategies.deepspeed.engines import (
+    Engines,
+    accumulating,
+    clip_full_gradients,
+    release_engine,
+    user_facing,
+    warn_shadowed,
+)
 from scopedlite._strategies.deepspeed.install import import_deepspeed
 from scopedlite._strategies.deepspeed.logs import (
     Discard,
@@ -132,7 +140,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         self.config = self.build_config(placement.precision.name, placement.accelerator)
-        self._engines: list[Any] = []
+        self._engine_refs = Engines()  # weak: a model the user drops is released
         self._saved_env: dict[str, str | None] = {}
         self._owns_group = False
         self._log_level: int | None = None
@@ -178,10 +186,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             os.environ[key] = value
 
     def stop(self) -> None:
-        for engine in self._engines:
-            if hasattr(engine, "destroy"):  # releases the engine's hooks and buffers
-                engine.destroy()
-        self._engines = []
+        for model in self._engines:
+            release_engine(model)  # releases the engine's hooks and buffers
+        self._engine_refs = Engines()
         if self._owns_group:
             super().stop()
             self._owns_group = False
@@ -223,6 +230,14 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "Put the parameter groups in one optimizer."
             )
         optimizer = optimizers[0] if optimizers else None
+        if optimizer is None and self.stage in (1, 2):
+            raise ValueError(
+                f"lite.setup(model) without an optimizer is not available under ZeRO stage "
+                f"{self.stage}: DeepSpeed builds a stage-{self.stage} engine only around an "
+                "optimizer. For a model that only evaluates (a teacher, a frozen encoder), use "
+                "it without lite.setup (`model.to(lite.current().device)`; at stages 1-2 every "
+                "rank holds all of it), or set it up with an optimizer you never step."
+            )
         with filtered_warnings():
             engine, _, _, _ = self.deepspeed.initialize(
                 model=module.to(self.placement.device) if not is_zero3_partitioned(module) else module,
@@ -230,7 +245,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 config=copy.deepcopy(self.config),
                 dist_init_required=False,
             )
-        self._engines.append(engine)
         forward = engine.forward
 
         def quiet_forward(*args: Any, **kwargs: Any) -> Any:
@@ -240,10 +254,15 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         engine.forward = quiet_forward
         if self.half_dtype is not None:
             engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True)
-        if optimizer is None:
-            return engine, []
-        _route_step_through_engine(optimizer, engine)
-        return engine, [optimizer]
+        if optimizer is not None:
+            _route_step_through_engine(optimizer, engine)
+        # What the user gets answers the user's attributes and methods with plain state dict
+        # keys, and is released when dropped (engines.py). Under ZeRO-3 parameters are
+        # gathered in forward only: the user's methods always go through it.
+        model = user_facing(engine, always_through_forward=self.stage == 3)
+        self._engine_refs.add(model)
+        warn_shadowed(engine)
+        return model, [] if optimizer is None else [optimizer]
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, self.deepspeed.DeepSpeedEngine) else module
@@ -267,36 +286,62 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             stack.enter_context(skip_init())
         return stack
 
+    @property
+    def _engines(self) -> list[Any]:
+        """The engines of this run still referenced by the user, in setup order."""
+        return self._engine_refs.alive()
+
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        engine = self._engine_of(None)
+        self.backward_model(loss, None, *args, **kwargs)
+
+    def backward_model(self, loss: torch.Tensor, model: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """``engine.backward(loss)`` on the engine that produced ``loss`` (or ``model``)."""
         if args or kwargs:
             raise TypeError(
                 "lite.backward(loss) under strategy='deepspeed' takes the loss only (it calls "
                 f"engine.backward(loss)); got extra arguments {args!r} {kwargs!r}."
             )
+        engine = self._engine_refs.for_backward(loss, model, self.deepspeed.DeepSpeedEngine)
+        synced = engine.is_gradient_accumulation_boundary()
+        if synced and self.stage < 3 and engine.gradient_accumulation_steps() == 1 and engine._lite_synced_backwards:
+            # ZeRO 1/2 replace, not add, the gradients of an earlier backward at a boundary.
+            raise RuntimeError(
+                "lite.backward was called twice before optimizer.step() under strategy="
+                f"'deepspeed' (ZeRO stage {self.stage}): DeepSpeed would keep only the second "
+                "backward's gradients. To accumulate, wrap every backward but the last in "
+                "`with lite.no_backward_sync(model):` (as under DDP), or call optimizer.step() "
+                "in between."
+            )
         with filtered_warnings():
             engine.backward(loss)
+        if synced:
+            engine._lite_synced_backwards += 1
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
+        """Accumulate: backward passes inside add to the gradients and the next one outside
+        ends the window, so the result is DDP's. ZeRO still reduces gradients in every
+        backward (stages 2-3 partition them as they are reduced): it saves no communication."""
+        engine = self._set_up_engine(module, "lite.no_backward_sync")
+        return accumulating(engine) if enabled else contextlib.nullcontext()
 
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
-        raise RuntimeError(
-            "lite.clip_gradients is not available under strategy='deepspeed': the engine clips "
-            "inside optimizer.step(), by total norm, from its config. Remove the call and "
-            "pass lite.DeepSpeedStrategy(config={'gradient_clipping': "
-            f"{max_norm if max_norm is not None else 1.0}}}) to launch instead."
-        )
-
-    def _engine_of(self, module: Any) -> Any:
-        if module is not None:
-            return module
-        # lite.backward(loss) names no model: it is the one engine that trains (has an
-        # optimizer); engines set up without one are for evaluation.
-        training = [e for e in self._engines if getattr(e, "_lite_user_optimizer", None) is not None]
-        if len(training) != 1:
-            raise RuntimeError(
-                "lite.backward under strategy='deepspeed' needs exactly one model set up with "
-                f"its optimizer (`model, opt = lite.setup(model, opt)`); this run has {len(training)}."
+        """Clip the full gradients between backward and step, as DDP's are clipped."""
+        engine = self._set_up_engine(module, "lite.clip_gradients")
+        if getattr(engine, "_lite_user_optimizer", None) is not optimizer:
+            raise ValueError(
+                "lite.clip_gradients(model, optimizer, ...) under strategy='deepspeed' needs the "
+                "optimizer set up together with that model: `model, opt = lite.setup(model, opt)`."
             )
-        return training[0]
+        with filtered_warnings():
+            return clip_full_gradients(engine, max_norm, clip_val, norm_type)
+
+    def _set_up_engine(self, module: torch.nn.Module, caller: str) -> Any:
+        if not isinstance(module, self.deepspeed.DeepSpeedEngine):
+            raise TypeError(
+                f"{caller} needs the model returned by lite.setup, got a plain "
+                f"{type(module).__name__}. Use `model, opt = lite.setup(model, opt)` first."
+            )
+        return module
 
     # -- checkpoints: the engine's sharded directory (see checkpoint.py) ------------------
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
@@ -318,6 +363,7 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) ->
     def engine_step() -> None:
         with filtered_warnings():
             engine.step()
+        engine._lite_synced_backwards = 0
 
     inside_engine = reroute_step(
         optimizer,
@@ -335,6 +381,7 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) ->
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer._lite_engine = engine  # type: ignore[attr-defined]
     engine._lite_user_optimizer = optimizer
+    engine._lite_synced_backwards = 0
 
 
 def _input_caster(dtype: torch.dtype) -> Any:

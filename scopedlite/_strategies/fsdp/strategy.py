@@ -27,6 +27,7 @@ from scopedlite._io.consolidate import (
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
+from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
@@ -136,8 +137,9 @@ class FSDPStrategy(ProcessGroupStrategy):
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         super().start(placement, rendezvous)
         self._init_records = InitRecords()
-        # id(parameter before sharding) -> (weak ref to it, the sharded parameter replacing it)
-        self._replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], torch.nn.Parameter]] = {}
+        # id(parameter before sharding) -> weak refs to it and to the sharded parameter replacing
+        # it (weak: a model the user drops is released, its parameters with it)
+        self._replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[torch.nn.Parameter]]] = {}
         self._modules: list[weakref.ref[torch.nn.Module]] = []
 
     # -- building and sharding ------------------------------------------------------------
@@ -177,6 +179,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             module = self.placement.precision.convert_module(module.to(self.placement.device))
             self._broadcast_from_rank_zero(module)
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
+        user_class = type(module)
 
         if self.checkpoint_classes:
             checkpoint_activations(module, self.checkpoint_classes)
@@ -193,10 +196,18 @@ class FSDPStrategy(ProcessGroupStrategy):
         if replay is not None:
             module.to_empty(device=self.placement.device)
             replay.run()
+        # The user's other methods gather the parameters as forward does (methods.py), on the
+        # model and on each submodule that is its own FSDP unit; after the replay, whose twins
+        # copy the module's attributes.
+        for sub in module.modules():
+            if sub is not module and isinstance(sub, FSDPModule):
+                gather_for_user_methods(sub, type(sub))
+        gather_for_user_methods(module, user_class)
 
         after = dict(module.named_parameters(remove_duplicate=False))
+        self._replaced = {k: v for k, v in self._replaced.items() if v[0]() is not None and v[1]() is not None}
         for name, old in before.items():
-            self._replaced[id(old)] = (weakref.ref(old), after[name])
+            self._replaced[id(old)] = (weakref.ref(old), weakref.ref(after[name]))
         self._modules.append(weakref.ref(module))
         return module
 
@@ -228,13 +239,14 @@ class FSDPStrategy(ProcessGroupStrategy):
                 if id(param) in sharded:
                     continue
                 entry = self._replaced.get(id(param))
-                if entry is None or entry[0]() is not param:
+                successor = entry[1]() if entry is not None and entry[0]() is param else None
+                if successor is None:
                     raise ValueError(
                         f"The optimizer's param group {index} holds a parameter of shape "
                         f"{tuple(param.shape)} that belongs to no module set up in this run. "
                         "Set the model up first or together: `model, opt = lite.setup(model, opt)`."
                     )
-                swaps.append((group["params"], position, entry[1]))
+                swaps.append((group["params"], position, successor))
         if swaps and optimizer.state:
             raise ValueError(
                 "The optimizer already holds state (it has stepped) for the unsharded "

@@ -1,0 +1,70 @@
+"""The user's own methods of a sharded model gather its parameters, as ``forward`` does.
+
+FSDP2 all-gathers a unit's parameters in a hook around ``forward`` only; any other method of
+the model (``model.features(x)``, ``model.generate(...)``) met sharded ``DTensor`` parameters
+and failed ("got mixed torch.Tensor and DTensor"). Every method the user's classes define is
+registered with ``torch.distributed.fsdp.register_fsdp_forward_method`` (public API), which
+runs FSDP's pre- and post-forward around it: gather, and reshard afterwards, with the
+backward hooks set on its outputs.
+
+A registered method called while the model is already gathered (from ``forward``, or from
+another of its methods) must run as it is: a second post-forward would reshard the
+parameters under the outer call's feet. A depth count, kept by hooks around ``forward`` and
+by the registered methods themselves, tells the two cases apart.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from scopedlite._strategies.user_model import user_method_names
+
+__all__ = ["gather_for_user_methods"]
+
+
+def gather_for_user_methods(module: torch.nn.Module, user_class: type[torch.nn.Module]) -> list[str]:
+    """Register the methods ``user_class`` defines on ``module``, a sharded root or unit;
+    returns their names. (``type(module)`` after sharding is FSDP's subclass of the user's
+    class, whose own methods are skipped as torch's.) Methods of a submodule that is not its
+    own FSDP unit are not covered when called from outside (``model.encoder.encode(x)``): call
+    them from a method of the model, or make the submodule a unit (``auto_wrap_policy``)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    names = user_method_names(user_class)
+    if not names:
+        return names
+    depth = [0]
+
+    def enter(*_: Any) -> None:
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+
+    # prepend: counted before FSDP's own pre-forward hook, so a failing gather still leaves
+    # through the always_call post hook that uncounts it.
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)
+    for name in names:
+        plain = getattr(module, name)
+        register_fsdp_forward_method(module, name)
+        module.__dict__[name] = _outermost_gathers(plain, module.__dict__[name], depth)
+    return names
+
+
+def _outermost_gathers(plain: Callable[..., Any], gathered: Callable[..., Any], depth: list[int]) -> Callable[..., Any]:
+    @functools.wraps(plain)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if depth[0]:
+            return plain(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return gathered(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    return call

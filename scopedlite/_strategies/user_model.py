@@ -1,0 +1,178 @@
+"""The set-up model stays the user's model: a wrapper that answers for the module inside.
+
+DDP and DeepSpeed return a wrapper (``DistributedDataParallel``, a DeepSpeed engine) whose
+attributes, methods and state dict keys are the wrapper's own: ``model.scale`` fails and
+``model.state_dict()`` has ``module.``-prefixed keys that do not load into a plain ``Net()``.
+A script written for one device must not change when the strategy does, so the wrapper's
+class is swapped, after it is built, for a subclass that adds :class:`UserModelView`:
+
+- attributes the wrapper does not have are read from (and, if the module has them, written
+  to) the user's module;
+- the user's own methods run *through the wrapper's forward* (the user's ``forward`` is
+  pointed at the method for that one call), so whatever the wrapper does around forward
+  happens for them too: DDP prepares the gradient all-reduce, ZeRO-3 gathers parameters;
+- ``state_dict()`` / ``load_state_dict()`` are the user's module's, with its plain keys.
+
+The wrapper keeps its class's identity (``isinstance(model, DistributedDataParallel)`` stays
+true), so code that checks for it keeps working. Swapping the class of an object built by a
+library, rather than wrapping it again, is what FSDP2's ``fully_shard`` does too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["SetUpDDP", "UserModelView", "present_as_user_model", "user_method_names", "view_class"]
+
+# Classes defined in these packages are the wrappers' and torch's, not the user's.
+_LIBRARY_PREFIXES = ("torch.", "deepspeed.", "scopedlite.")
+
+
+def user_method_names(cls: type[torch.nn.Module]) -> list[str]:
+    """The plain methods the user's classes define on ``cls`` (not torch's, not ``forward``,
+    not dunders): the ones that must run the way ``forward`` runs."""
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith(_LIBRARY_PREFIXES) or klass.__module__ == "torch":
+            continue
+        for name, value in vars(klass).items():
+            if name == "forward" or (name.startswith("__") and name.endswith("__")):
+                continue
+            if callable(value) and not isinstance(value, (staticmethod, classmethod, type)):
+                names.setdefault(name, None)
+    return list(names)
+
+
+class UserModelView(torch.nn.Module):
+    """Mixed in before a wrapper class (see the module docstring); never instantiated alone.
+
+    Attributes:
+        lite_always_through_forward: Run the user's methods through the wrapper's forward
+            even with gradients disabled (ZeRO-3: parameters must be gathered for any use).
+            Otherwise they go through forward only when gradients are enabled (DDP: forward
+            prepares the gradient all-reduce; without gradients the local replica is whole).
+    """
+
+    lite_always_through_forward: ClassVar[bool] = False
+
+    def _lite_inner(self) -> torch.nn.Module | None:
+        # Read from __dict__: during unpickling or copying the attribute may not exist yet, and
+        # reading it through getattr would come back here forever.
+        modules = self.__dict__.get("_modules")
+        return modules.get("module") if modules is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        try:  # the wrapper's own parameters, buffers and submodules ("module")
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            pass
+        inner = self._lite_inner()
+        if inner is None or not hasattr(inner, name):
+            raise AttributeError(
+                f"'{type(self).__name__}' object (the model returned by lite.setup) has no "
+                f"attribute {name!r}, and neither has the {type(inner).__name__} inside it."
+            )
+        if name in _methods_of(type(inner)):
+            return _through_forward(self, inner, name)
+        return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self._lite_inner()
+        if inner is not None and not self._lite_has_own(name) and hasattr(inner, name):
+            setattr(inner, name, value)  # e.g. ``model.scale = 2.0`` changes what forward reads
+            return
+        super().__setattr__(name, value)
+
+    def _lite_has_own(self, name: str) -> bool:
+        if name in self.__dict__ or hasattr(type(self), name):
+            return True
+        return any(name in self.__dict__.get(store, {}) for store in ("_parameters", "_buffers", "_modules"))
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self._lite_inner())))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The user's module's state dict: the keys of the plain module (no ``module.``)."""
+        return self._lite_inner().state_dict(*args, **kwargs)  # type: ignore[union-attr]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict of the plain module (the keys ``state_dict()`` gives)."""
+        return self._lite_inner().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[union-attr]
+
+
+@functools.cache
+def _methods_of(cls: type[torch.nn.Module]) -> frozenset[str]:
+    return frozenset(user_method_names(cls))
+
+
+def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
+    """``inner.<name>`` as a callable that runs inside ``wrapper``'s forward when needed."""
+    method = getattr(inner, name)
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not (wrapper.lite_always_through_forward or torch.is_grad_enabled()):
+            return method(*args, **kwargs)
+        had_own_forward = "forward" in inner.__dict__
+        own_forward = inner.__dict__.get("forward")
+
+        def redirected(*a: Any, **k: Any) -> Any:
+            _restore_forward(inner, had_own_forward, own_forward)  # the method may call forward
+            out = method(*a, **k)
+            # Wrappers' post-forward hooks look into outputs; a plain str or float has no
+            # attributes to look into (ZeRO-3 calls vars() on it), so it travels boxed.
+            return out if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__") else _Boxed(out)
+
+        inner.forward = redirected  # type: ignore[method-assign]
+        try:
+            out = wrapper(*args, **kwargs)
+        finally:
+            _restore_forward(inner, had_own_forward, own_forward)
+        return out.value if isinstance(out, _Boxed) else out
+
+    return call
+
+
+class _Boxed:
+    """A method's result that is neither a tensor nor a container, through a wrapper's forward."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _restore_forward(inner: torch.nn.Module, had_own: bool, own: Any) -> None:
+    if had_own:
+        inner.forward = own  # type: ignore[method-assign]
+    else:
+        inner.__dict__.pop("forward", None)
+
+
+class SetUpDDP(UserModelView, DistributedDataParallel):
+    """``DistributedDataParallel`` answering for the user's module (see the module docstring)."""
+
+
+_VIEW_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView], always_through_forward: bool = False) -> torch.nn.Module:
+    """Swap ``wrapper``'s class for ``view`` (a subclass of :class:`UserModelView` and of the
+    wrapper's class) once the wrapper is fully built; returns the same object."""
+    if not issubclass(view, type(wrapper)):
+        raise TypeError(f"{type(wrapper).__name__} cannot be presented as {view.__name__}.")
+    wrapper.__class__ = view
+    wrapper.lite_always_through_forward = always_through_forward
+    return wrapper
+
+
+def view_class(wrapper_class: type[torch.nn.Module], mixin: type[UserModelView], name: str) -> type[UserModelView]:
+    """The (cached) subclass of ``wrapper_class`` with ``mixin`` mixed in, for wrapper classes
+    imported only when a run uses them (a DeepSpeed engine)."""
+    key = (wrapper_class, mixin)
+    if key not in _VIEW_CLASSES:
+        _VIEW_CLASSES[key] = type(name, (mixin, wrapper_class), {"__module__": mixin.__module__})
+    return _VIEW_CLASSES[key]  # type: ignore[return-value]
