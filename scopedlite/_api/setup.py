@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from scopedlite._api.current import current
+from scopedlite._api.join import active_session
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsJointSetup
 
@@ -92,7 +93,11 @@ def clip_gradients(
     for name, value in (("max_norm", max_norm), ("clip_val", clip_val)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name}={value!r} is not valid: it must be a positive number.")
-    return current().strategy.clip_gradients(module, optimizer, max_norm, clip_val)
+    run = current()
+    session = active_session(run) if run.world_size > 1 else None
+    # Inside lite.join the session clips: under sharding, ranks that ran out of data clip too.
+    target = session if session is not None else run.strategy
+    return target.clip_gradients(module, optimizer, max_norm, clip_val)
 
 
 def to_device(obj: Any) -> Any:

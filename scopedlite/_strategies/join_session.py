@@ -150,9 +150,13 @@ class ProcessGroupJoin:
         # _BARRIER: the opener and the headers were the barrier
 
     # -- our collectives on an active rank -------------------------------------------------------
-    def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
+    def _announce_collective(self) -> None:
+        """Open a round that one of our collectives follows (the sum exceeds the world size)."""
         opener = torch.full((1,), self.code, device=self.device)
         dist.all_reduce(opener)
+
+    def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
+        self._announce_collective()
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[_H_ACTIVE], header[_H_KIND], header[_H_OP] = 1, kind, _OPS.index(op)
         header[_H_SRC], header[_H_PAYLOAD] = src, payload
@@ -228,6 +232,10 @@ class ProcessGroupJoin:
 
     def barrier(self) -> None:
         self._open(_BARRIER)
+
+    def clip_gradients(self, module: Any, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
+        """Under DDP gradients are already averaged after backward: clipping is local."""
+        return self.strategy.clip_gradients(module, optimizer, max_norm, clip_val)
 
 
 def _shape(header: torch.Tensor) -> list[int]:
