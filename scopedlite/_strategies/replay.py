@@ -88,8 +88,9 @@ class Replayer(Protocol):
         """Hook the models so that active ranks announce forwards (and steps); undone on close."""
         ...
 
-    def forward(self, index: int, args: Any, kwargs: Any) -> Any:
-        """Run model ``index`` on a joined rank (the hooks see the session serving)."""
+    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
+        """Run model ``index`` on a joined rank (the hooks see the session serving); ``sync``:
+        whether the active ranks' forward prepared a gradient sync (DDP decides it there)."""
         ...
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
@@ -106,6 +107,11 @@ class Replayer(Protocol):
 
     def active_count(self, count: int) -> None:
         """The number of active ranks is now ``count`` (for ``divide_by_initial_world_size=False``)."""
+        ...
+
+    def output_scale(self, count: int) -> float:
+        """The factor on the active ranks' output gradients when ``count`` ranks are active
+        (1.0 where the strategy divides by the active count itself)."""
         ...
 
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
@@ -125,7 +131,9 @@ class _Announce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
         mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
-        ctx.session.before_backward(ctx.index, mask)
+        scale = ctx.session.before_backward(ctx.index, mask)
+        if scale != 1.0:
+            grads = tuple(g * scale if g is not None else None for g in grads)
         return (None, None, *grads)
 
 
@@ -194,7 +202,8 @@ class ReplayJoin(ProcessGroupJoin):
         if self.serving:
             return
         self.inputs[index] = (args, kwargs)
-        total = self._announce(FORWARD, index=index, flag=int(torch.is_grad_enabled()))
+        flag = int(torch.is_grad_enabled()) | int(self.replayer.sync_flag(index)) << 1
+        total = self._announce(FORWARD, index=index, flag=flag)
         if total[_NEED] > 0:
             self._exchange_example(index, (args, kwargs))
 
@@ -217,10 +226,12 @@ class ReplayJoin(ProcessGroupJoin):
             self.outputs[index] = [t for t in _leaves(result) if t.requires_grad]
         return result
 
-    def before_backward(self, index: int, mask: int) -> None:
+    def before_backward(self, index: int, mask: int) -> float:
+        """Announce a backward of model ``index``; returns the factor for its output gradients."""
         if self.serving:
-            return
+            return 1.0
         self._announce(BACKWARD, index=index, flag=int(self.replayer.sync_flag(index)), mask=mask)
+        return self.replayer.output_scale(self.count)
 
     def before_step(self, index: int) -> None:
         """Announce a collective optimizer step (DeepSpeed's ``engine.step``)."""
@@ -475,8 +486,8 @@ class ReplayJoin(ProcessGroupJoin):
                 self.inputs.setdefault(index, example)
             args, kwargs = self.inputs[index]
             self.outputs.pop(index, None)
-            with torch.set_grad_enabled(bool(flag)):
-                self.replayer.forward(index, args, kwargs)
+            with torch.set_grad_enabled(bool(flag & 1)):
+                self.replayer.forward(index, args, kwargs, bool(flag & 2))
         elif kind == BACKWARD:
             outputs = self.outputs.pop(index, [])
             chosen = [t for i, t in enumerate(outputs) if mask >> i & 1]

@@ -69,7 +69,7 @@ class DeepSpeedReplay:
             wrap_method(stack, engine, "step", announced_step)
         return stack
 
-    def forward(self, index: int, args: Any, kwargs: Any) -> Any:
+    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
         return self.engines[index](*args, **kwargs)
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
@@ -88,6 +88,9 @@ class DeepSpeedReplay:
 
     def sync_flag(self, index: int) -> bool:
         return True  # DeepSpeed has no no_backward_sync: it accumulates by its config
+
+    def output_scale(self, count: int) -> float:
+        return 1.0  # the divisor is set by scaling the loss in engine.backward
 
     def active_count(self, count: int) -> None:
         self.count = count

@@ -73,7 +73,7 @@ class FSDPReplay:
             stack.callback(self.active_count, self.world_size)
         return stack
 
-    def forward(self, index: int, args: Any, kwargs: Any) -> Any:
+    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
         return self.roots[index](*args, **kwargs)
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
@@ -93,6 +93,9 @@ class FSDPReplay:
 
     def sync_flag(self, index: int) -> bool:
         return self._sync[index]
+
+    def output_scale(self, count: int) -> float:
+        return 1.0  # the divisor is set on every FSDP module
 
     def active_count(self, count: int) -> None:
         if self.divide:
