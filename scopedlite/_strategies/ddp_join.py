@@ -102,7 +102,7 @@ def refuse_what_join_cannot_replay(
             )
     for optimizer in optimizers:
         if isinstance(optimizer, ZeroRedundancyOptimizer):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 (a valid optimizer, one join cannot mirror)
                 "lite.join cannot be used with torch's ZeroRedundancyOptimizer: its step "
                 "broadcasts each rank's shard, a collective a rank that ran out of data cannot "
                 "mirror in step (torch's own join hook steps it with stale gradients instead, "

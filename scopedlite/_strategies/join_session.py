@@ -2,36 +2,30 @@
 
 ``NoJoin`` (one process): nothing.
 
-``ProcessGroupJoin`` (DDP, and any strategy whose ranks share one process group): torch's
-join protocol for the user's joinables, extended so that our own collectives stay correct
-after ranks run out of data. Each round of the protocol starts with a one-element all-reduce:
-active ranks contribute a code, ranks that have left the block contribute zero.
+``ProcessGroupJoin``: the part of the join session every strategy over one process group
+shares - our collectives stay correct after ranks run out of data. The session itself, with
+its rounds and the per-strategy replay of forwards, backwards and optimizer steps, is
+``ReplayJoin`` (``replay.py``); this base holds what a round of one of our collectives does
+once it has been announced:
 
-- A DDP forward sends torch's own notification (1 per active rank), so the sum is at most
-  the world size; joined ranks then run the joinables' hooks (DDP shadows its forward and
-  backward collectives), exactly as ``torch.distributed.algorithms.join.Join`` does.
-- One of our collectives sends ``world_size + 1`` per active rank, so the sum exceeds the
-  world size; then every rank all-gathers a small header (active flag, kind, op, dtype,
-  shape, source), and joined ranks take part in the payload with a neutral value: zero for
-  sums and means, -inf/+inf (or the dtype's limits) for max/min. A mean divides by the
-  number of active ranks, which the headers tell.
-- A sum of zero means every rank has joined: the joinables' post-hooks run and the block ends.
+- every rank all-gathers a small header (active flag, kind, op, dtype, shape, source), the
+  active ranks check that they asked for the same thing, and ranks that have left take part
+  in the payload with a neutral value: zero for sums and means, -inf/+inf (or the dtype's
+  limits) for max/min, rows that are dropped for gathers. A mean divides by the number of
+  active ranks, which the headers tell.
 
 Because a joined rank learns from each round what comes next, our collectives may sit
-anywhere in the loop (before the forward, after the backward, several per step) and a rank
-with no batch at all works too. torch's Join alone gets these wrong (see BACKENDS.md).
+anywhere in the loop and a rank with no batch at all works too. torch's Join alone gets these
+wrong (see BACKENDS.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable
-from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._comm.wire import (
     DTYPES,
@@ -41,11 +35,6 @@ from scopedlite._comm.wire import (
     neutral_value,
     to_bytes,
     wire_dtype,
-)
-from scopedlite._private.torch_internals import (
-    joinables_configured,
-    no_sync_when_grad_disabled,
-    settle_bucket_rebuild,
 )
 
 if TYPE_CHECKING:
@@ -66,66 +55,21 @@ class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
 
 
 class ProcessGroupJoin:
-    """Uneven inputs over one process group: torch's joinables plus our collectives."""
+    """Our collectives inside a join session over one process group.
 
-    def __init__(
-        self,
-        strategy: Strategy,
-        joinables: tuple[Any, ...],
-        optimizers: tuple[torch.optim.Optimizer, ...],
-        divide_by_initial_world_size: bool,
-    ) -> None:
-        _refuse_what_join_cannot_survive(joinables, optimizers)
-        self.strategy = strategy
-        self.joinables = joinables
-        self.divide = divide_by_initial_world_size
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.device = strategy.comm_device
-        self.code = float(self.world_size + 1)
-        self._stack = contextlib.ExitStack()
+    A subclass announces each of our collectives to the ranks that have left
+    (:meth:`_announce_collective`) and, on those ranks, calls :meth:`_shadow_ours` when one
+    was announced.
+    """
 
-    # -- the block ---------------------------------------------------------------------------
-    def __enter__(self) -> ProcessGroupJoin:
-        if self.joinables:
-            # torch's join mode for the joinables; its serving loop is replaced by `_serve`.
-            self._stack.enter_context(joinables_configured(self.joinables, self.divide))
-        self.hooks = [j.join_hook(divide_by_initial_world_size=self.divide) for j in self.joinables]
-        for joinable in self.joinables:
-            if isinstance(joinable, DistributedDataParallel):
-                settle_bucket_rebuild(joinable)
-                self._stack.enter_context(no_sync_when_grad_disabled(joinable))
-        return self
+    strategy: Strategy
+    world_size: int
+    rank: int
+    device: torch.device
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            if exc_type is None:
-                self._serve()
-        finally:
-            self._stack.close()
-
-    def _serve(self) -> None:
-        """Shadow the active ranks' collectives until every rank has joined."""
-        is_last_joiner = True
-        while True:
-            opener = torch.zeros(1, device=self.device)
-            dist.all_reduce(opener)
-            total = round(opener.item())
-            if total == 0:
-                break
-            is_last_joiner = False
-            if total > self.world_size:
-                self._shadow_ours()
-            else:
-                for hook in self.hooks:
-                    hook.main_hook()
-        for hook in self.hooks:
-            hook.post_hook(is_last_joiner)
+    def _announce_collective(self) -> None:
+        """Open a round that one of our collectives follows."""
+        raise NotImplementedError
 
     def _shadow_ours(self) -> None:
         headers = self._exchange_headers(torch.zeros(_HEADER, dtype=torch.int64))
@@ -150,11 +94,6 @@ class ProcessGroupJoin:
         # _BARRIER: the opener and the headers were the barrier
 
     # -- our collectives on an active rank -------------------------------------------------------
-    def _announce_collective(self) -> None:
-        """Open a round that one of our collectives follows (the sum exceeds the world size)."""
-        opener = torch.full((1,), self.code, device=self.device)
-        dist.all_reduce(opener)
-
     def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
         self._announce_collective()
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -234,7 +173,7 @@ class ProcessGroupJoin:
         self._open(_BARRIER)
 
     def clip_gradients(self, module: Any, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
-        """Under DDP gradients are already averaged after backward: clipping is local."""
+        """Clipping that needs nothing of the ranks that have left."""
         return self.strategy.clip_gradients(module, optimizer, max_norm, clip_val)
 
 
@@ -252,33 +191,3 @@ def _describe(header: torch.Tensor) -> str:
     if kind == "broadcast":
         return f"broadcast(src={int(header[_H_SRC])})"
     return kind
-
-
-def _refuse_what_join_cannot_survive(joinables: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    from torch.distributed.optim import (
-        ZeroRedundancyOptimizer,  # lazy: ~0.25 s to import
-    )
-
-    for joinable in joinables:
-        if not isinstance(joinable, Joinable):
-            raise TypeError(
-                f"lite.join takes the models returned by lite.setup (or torch Joinables), got a "
-                f"{type(joinable).__name__}. Use `model = lite.setup(model)` and then "
-                "`with lite.join(model):`."
-            )
-    for obj in (*joinables, *optimizers):
-        if isinstance(obj, ZeroRedundancyOptimizer):
-            raise ValueError(
-                "lite.join cannot be used with torch's ZeroRedundancyOptimizer: its join hook "
-                "steps the joined ranks with stale gradients and the run ends with identical "
-                "but wrong parameters. Use a plain optimizer under strategy='ddp', or shard "
-                "optimizer state with strategy='fsdp' / 'deepspeed'."
-            )
-    for joinable in joinables:
-        if isinstance(joinable, DistributedDataParallel) and getattr(joinable, "static_graph", False):
-            raise ValueError(
-                "lite.join cannot be used with DDP's static_graph=True: with uneven inputs "
-                "torch aborts the process (gloo SIGABRT) when a rank has no batch or unused "
-                "parameters are searched. Use lite.DDPStrategy(static_graph=False) for runs "
-                "with uneven inputs."
-            )

@@ -1,15 +1,16 @@
-"""``lite.join`` under sharded strategies (FSDP2, DeepSpeed ZeRO 1-3): lockstep zero-weighted replay.
+"""``lite.join`` over a process group (DDP, FSDP2, DeepSpeed ZeRO 1-3): lockstep zero-weighted replay.
 
 Under sharding every rank owns a slice of every parameter, so a rank that has run out of data
-cannot simply wait, as it does under DDP: it must keep taking part in every all-gather of a
+cannot simply wait: it must keep taking part in every all-gather of a
 forward, every reduce-scatter of a backward and, under DeepSpeed, every collective of the
 optimizer step. It does so by *replaying*: the forward on a cached input (its own last batch;
 a rank that never had a batch is sent an example by an active rank) and the backward with
 zero output gradients, so its contribution to every reduction is exactly zero, while it steps
 its own shard with the reduced gradient like everyone else.
 
-The protocol is the one of :class:`~scopedlite._strategies.join_session.ProcessGroupJoin`
-(DDP), with richer announcements. Each round opens with one small SUM all-reduce, the
+One session for every strategy over a process group: DDP (``ddp_join.py``), FSDP2
+(``fsdp/join.py``) and DeepSpeed (``deepspeed/join.py``) each supply a small
+:class:`Replayer`; the rounds, events and refusals are here. Each round opens with one small SUM all-reduce, the
 *opener*, in which ranks that have left the block send zeros and every active rank sends the
 same announcement, so the sum divided by the number of active ranks is the announcement:
 
@@ -21,8 +22,8 @@ same announcement, so the sum divided by the number of active ranks is the annou
   backward's reduce-scatter on a joined rank;
 - STEP (DeepSpeed only: its step is collective) and CLIP (``lite.clip_gradients``: a norm is
   reduced over the ranks);
-- COLLECTIVE: one of ``lite.all_reduce``/``all_gather``/``broadcast``/``barrier``, handled
-  exactly as under DDP (a header all-gather, then the payload with neutral values);
+- COLLECTIVE: one of ``lite.all_reduce``/``all_gather``/``broadcast``/``barrier`` (a header
+  all-gather, then the payload with neutral values: ``join_session.ProcessGroupJoin``);
 - EVENTS: only when more local events are pending than one opener carries.
 
 Local actions with no collective of their own - ``optimizer.step`` (FSDP), ``zero_grad``,
@@ -57,7 +58,7 @@ from scopedlite._strategies.join_session import ProcessGroupJoin
 if TYPE_CHECKING:
     from scopedlite._strategies.base import Strategy
 
-__all__ = ["Replayer", "ReplayJoin"]
+__all__ = ["ReplayJoin", "Replayer", "wrap_method"]
 
 # Round kinds.
 FORWARD, BACKWARD, STEP, CLIP, COLLECTIVE, EVENTS = 1, 2, 3, 4, 5, 6
@@ -157,7 +158,6 @@ class ReplayJoin(ProcessGroupJoin):
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
-        self.code = float(self.world_size + 1)
         self.schedulers = _schedulers_of(optimizers)
         self.serving = False
         self.count = self.world_size
@@ -169,7 +169,7 @@ class ReplayJoin(ProcessGroupJoin):
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------
-    def __enter__(self) -> ReplayJoin:
+    def __enter__(self) -> ReplayJoin:  # noqa: PYI034
         try:
             self._stack.enter_context(self.replayer.install(self))
             self._hook_optimizers()
@@ -282,8 +282,8 @@ class ReplayJoin(ProcessGroupJoin):
             def step(*args: Any, **kwargs: Any) -> Any:
                 if plateau and not self.serving:
                     raise RuntimeError(
-                        "ReduceLROnPlateau.step(metric) cannot be called inside lite.join under a "
-                        "sharded strategy: ranks that ran out of data must mirror it but do not "
+                        "ReduceLROnPlateau.step(metric) cannot be called inside lite.join on several "
+                        "processes: ranks that ran out of data must mirror it but do not "
                         "know the metric. Call scheduler.step(metric) after the join block."
                     )
                 self._in_scheduler += 1

@@ -1,6 +1,7 @@
 """ZeRO-3: sharded_init partitions parameters as they are built; save -> train on -> load
 restores outputs exactly (model and optimizer state); the checkpoint consolidates to one fp32
-state dict; join, clip_gradients and no_backward_sync are refused with the reason.
+state dict; join over a training and an evaluation engine at once, clip_gradients and
+no_backward_sync are refused with the reason.
 
 argv: checkpoint_dir
 """
@@ -91,7 +92,7 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
     train(7)  # lite.backward still finds the one engine that trains
 
     refusals = {
-        "join": refused(lambda: lite.join(model).__enter__()),
+        "join": refused(lambda: lite.join(model, evaluator).__enter__()),
         "clip": refused(lambda: lite.clip_gradients(model, opt, max_norm=1.0)),
         "no_sync": refused(lambda: lite.no_backward_sync(model).__enter__()),
         "setup_optimizers": refused(lambda: lite.setup_optimizers(torch.optim.SGD(make_wide().parameters(), lr=0.1))),
