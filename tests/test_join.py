@@ -117,14 +117,17 @@ def test_broadcast_from_a_rank_that_left_join_is_an_error_not_a_hang(script):
 # (ranks, batches per rank, divide_by_initial_world_size, optimizer, max_norm)
 TWO = (2, "5,3", True, "adamw", 0.5)
 THREE = (3, "5,3,0", False, "sgd", 0.5)  # rank 2 has no batch at all
+# "accumulate": each batch as two micro-batches, the first in lite.no_backward_sync (the same
+# gradient, so the same reference); DeepSpeed accumulates by its config instead.
 REPLAY_CASES = [
-    ("fsdp", TWO),
-    ("fsdp", THREE),
-    ("deepspeed_stage_3", TWO),
-    ("deepspeed_stage_3", THREE),
-    ("deepspeed_stage_2", TWO),
-    ("deepspeed_stage_1", THREE),
+    ("fsdp", TWO, ""),
+    ("fsdp", THREE, "accumulate"),
+    ("deepspeed_stage_3", TWO, ""),
+    ("deepspeed_stage_3_offload", THREE, ""),  # optimizer and parameters offloaded to the CPU
+    ("deepspeed_stage_2", TWO, ""),
+    ("deepspeed_stage_1", THREE, ""),
 ]
+DDP_EXTRA = {TWO: "", THREE: "accumulate"}
 _ddp_runs: dict[tuple, list] = {}
 
 
@@ -163,21 +166,21 @@ def _replay_reference(counts, divide, kind, max_norm, batch=2):
 
 def _replay_run(script, strategy, config, *extra):
     ranks, counts, divide, kind, max_norm = config
-    result = script("join_sharded", strategy, ranks, counts, int(divide), kind, max_norm, *extra, timeout=150)
+    result = script("join_sharded", strategy, ranks, counts, int(divide), kind, max_norm, *[e for e in extra if e], timeout=150)
     assert result.returncode == 0, result.explain()
     return result.json()
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("strategy", "config"), REPLAY_CASES, ids=lambda v: v if isinstance(v, str) else f"{v[0]}ranks-{v[1]}")
-def test_join_trains_like_ddp_and_one_process_under_sharded_strategies(script, strategy, config):
+@pytest.mark.parametrize(("strategy", "config", "extra"), REPLAY_CASES, ids=lambda v: v if isinstance(v, str) else f"{v[0]}ranks-{v[1]}")
+def test_join_trains_like_ddp_and_one_process_under_sharded_strategies(script, strategy, config, extra):
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
     ranks_, counts_text, divide, kind, max_norm = config
     counts = [int(c) for c in counts_text.split(",")]
-    ranks = _replay_run(script, strategy, config)
+    ranks = _replay_run(script, strategy, config, extra)
     if config not in _ddp_runs:  # the same script under ddp, once per configuration
-        _ddp_runs[config] = _replay_run(script, "ddp", config)
+        _ddp_runs[config] = _replay_run(script, "ddp", config, DDP_EXTRA[config])
     ddp = _ddp_runs[config]
     params, lr, sse, n = _replay_reference(counts, divide, kind, max_norm)
 

@@ -2,10 +2,12 @@
 in its own join block, collectives before forward and between forward and backward, an LR
 scheduler, clipping, then a no_grad evaluation inside join over setup_dataloader.
 
-argv: strategy ranks counts divide optimizer clip [broken]
+argv: strategy ranks counts divide optimizer clip [extra]
   counts: batches per rank, e.g. "5,3" or "5,3,0" (rank r takes the next counts[r] batches)
-  divide: 1 = divide_by_initial_world_size; clip: max_norm or 0; broken: a replay piece to
-  disable on purpose ("nostep": joined ranks do not mirror optimizer.step; "nosched")
+  divide: 1 = divide_by_initial_world_size; clip: max_norm or 0; extra: "accumulate" (each
+  batch of 2 as two micro-batches of 1, the first inside lite.no_backward_sync: the same
+  gradient), or a replay piece to disable on purpose ("nostep": joined ranks do not mirror
+  optimizer.step; "nosched")
 Rank 0 writes every rank's record.
 """
 
@@ -19,7 +21,9 @@ from scopedlite._strategies import replay
 
 name, ranks, counts = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
 divide, kind, clip = sys.argv[4] == "1", sys.argv[5], float(sys.argv[6])
-broken = sys.argv[7] if len(sys.argv) > 7 else ""
+extra = sys.argv[7] if len(sys.argv) > 7 else ""
+accumulate = extra == "accumulate"
+broken = extra if extra in ("nostep", "nosched") else ""
 BATCH = 2
 
 if broken:  # a deliberately wrong replay: the test must notice
@@ -30,8 +34,11 @@ if broken:  # a deliberately wrong replay: the test must notice
 if name == "fsdp":
     strategy = lite.FSDPStrategy(auto_wrap_policy={torch.nn.Linear})  # three units and a root
 elif name.startswith("deepspeed"):
-    stage = int(name[-1])
-    strategy = lite.DeepSpeedStrategy(stage=stage, config={"gradient_clipping": clip})
+    stage = int(name.split("_")[2])
+    offload = name.endswith("_offload")
+    strategy = lite.DeepSpeedStrategy(
+        stage=stage, config={"gradient_clipping": clip}, offload_optimizer=offload, offload_parameters=offload and stage == 3
+    )
 else:
     strategy = name
 
@@ -66,7 +73,11 @@ with lite.launch(strategy=strategy, devices=ranks, accelerator="cpu", timeout=60
         with lite.join(model, divide_by_initial_world_size=divide):
             for x, y in mine:
                 active = lite.all_reduce(1)  # a collective before the forward
-                loss = torch.nn.functional.mse_loss(model(x), y)
+                if accumulate:
+                    with lite.no_backward_sync(model):
+                        lite.backward(torch.nn.functional.mse_loss(model(x[:1]), y[:1]) / 2)
+                    x, y = x[1:], y[1:]
+                loss = torch.nn.functional.mse_loss(model(x), y) / (2 if accumulate else 1)
                 summed = lite.all_reduce(loss.detach(), op="sum")  # between forward and backward
                 lite.backward(loss)
                 if clip and not name.startswith("deepspeed"):
