@@ -224,6 +224,7 @@ def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
         assert "LR scheduler" in errors["lr_by_hand"]
         assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
         assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
+        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
         if strategy == "fsdp":  # deepspeed refuses lite.clip_gradients altogether
             assert errors["unknown_optimizer"].startswith("ValueError") and "not set up in this run" in errors["unknown_optimizer"]
         assert errors["after"] == 2

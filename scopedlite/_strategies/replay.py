@@ -78,6 +78,7 @@ _LEV = _EVV + _K
 _LEVV = _LEV + _K
 _LENGTH = _LEVV + _K
 _MAX_OUTPUTS = 48  # output tensors a mask can describe exactly in a float64
+_KEPT_FORWARDS = 8  # a joined rank keeps the replayed outputs of this many recent forwards
 
 
 class Replayer(Protocol):
@@ -124,18 +125,18 @@ class _Announce(torch.autograd.Function):
     """Identity on a model's outputs; its backward announces the backward to joined ranks."""
 
     @staticmethod
-    def forward(ctx: Any, session: ReplayJoin, index: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.session, ctx.index = session, index
+    def forward(ctx: Any, session: ReplayJoin, index: int, seq: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.session, ctx.index, ctx.seq = session, index, seq
         ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
         mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
-        scale = ctx.session.before_backward(ctx.index, mask)
+        scale = ctx.session.before_backward(ctx.index, ctx.seq, mask)
         if scale != 1.0:
             grads = tuple(g * scale if g is not None else None for g in grads)
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 class ReplayJoin(ProcessGroupJoin):
@@ -163,7 +164,8 @@ class ReplayJoin(ProcessGroupJoin):
         self.count = self.world_size
         self.pending: list[tuple[int, float]] = []
         self.inputs: dict[int, tuple[Any, Any]] = {}  # model index -> last (args, kwargs)
-        self.outputs: dict[int, list[torch.Tensor]] = {}  # replayed outputs awaiting backward
+        self.forwards = 0  # FORWARD rounds so far: the same count on every rank
+        self.outputs: dict[int, list[torch.Tensor]] = {}  # forward number -> replayed outputs awaiting backward
         self._lrs = [_lrs(o) for o in optimizers]
         self._in_scheduler = 0
         self._stack = contextlib.ExitStack()
@@ -204,6 +206,7 @@ class ReplayJoin(ProcessGroupJoin):
         self.inputs[index] = (args, kwargs)
         flag = int(torch.is_grad_enabled()) | int(self.replayer.sync_flag(index)) << 1
         total = self._announce(FORWARD, index=index, flag=flag)
+        self.forwards += 1
         if total[_NEED] > 0:
             self._exchange_example(index, (args, kwargs))
 
@@ -220,17 +223,30 @@ class ReplayJoin(ProcessGroupJoin):
                 f"Inside lite.join a model may return at most {_MAX_OUTPUTS} tensors that need a "
                 f"gradient; model {index} returned {len(tensors)}. Return fewer (stack them)."
             )
-        wrapped = iter(_Announce.apply(self, index, *tensors))
+        wrapped = iter(_Announce.apply(self, index, self.forwards, *tensors))
         result = map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
         if self.serving:
-            self.outputs[index] = [t for t in _leaves(result) if t.requires_grad]
+            # Kept until the backward of this forward is announced; a few forwards may come
+            # before one backward (two passes, one loss), none is kept for ever.
+            self.outputs[self.forwards] = [t for t in _leaves(result) if t.requires_grad]
+            for old in [k for k in self.outputs if k <= self.forwards - _KEPT_FORWARDS]:
+                del self.outputs[old]
         return result
 
-    def before_backward(self, index: int, mask: int) -> float:
-        """Announce a backward of model ``index``; returns the factor for its output gradients."""
+    def before_backward(self, index: int, seq: int, mask: int) -> float:
+        """Announce the backward of forward number ``seq`` (of model ``index``); returns the
+        factor for its output gradients."""
         if self.serving:
             return 1.0
-        self._announce(BACKWARD, index=index, flag=int(self.replayer.sync_flag(index)), mask=mask)
+        if seq != self.forwards:
+            raise RuntimeError(
+                f"Inside lite.join a backward went through the outputs of forward #{seq} of model "
+                f"{index} after forward #{self.forwards} had run: a loss built from several forwards "
+                "of a model (or a backward of an older forward) cannot be replayed by ranks that "
+                "ran out of data, which run one backward per forward. Concatenate the inputs into "
+                "one forward, or call lite.backward after each forward."
+            )
+        self._announce(BACKWARD, index=index, flag=int(self.replayer.sync_flag(index)), mask=mask, floats=(0.0, float(seq)))
         return self.replayer.output_scale(self.count)
 
     def before_step(self, index: int) -> None:
@@ -485,11 +501,11 @@ class ReplayJoin(ProcessGroupJoin):
                 example = self._exchange_example(index, None)
                 self.inputs.setdefault(index, example)
             args, kwargs = self.inputs[index]
-            self.outputs.pop(index, None)
+            self.forwards += 1
             with torch.set_grad_enabled(bool(flag & 1)):
                 self.replayer.forward(index, args, kwargs, bool(flag & 2))
         elif kind == BACKWARD:
-            outputs = self.outputs.pop(index, [])
+            outputs = self.outputs.pop(round(f1), [])
             chosen = [t for i, t in enumerate(outputs) if mask >> i & 1]
             self.replayer.backward(index, chosen, bool(flag))
         elif kind == STEP:

@@ -72,7 +72,12 @@ with lite.launch(strategy=name, devices=2, accelerator="cpu", timeout=30) as run
             lite.backward(torch.nn.functional.mse_loss(model(x), y))
             lite.clip_gradients(model, torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
 
-    cases = {"plain": plain, "lr_by_hand": lr_by_hand, "disagree": disagree, "plateau": plateau}
+    def two_forwards() -> None:  # one loss from two forwards: a joined rank cannot replay it
+        with lite.join(model):
+            loss = torch.nn.functional.mse_loss(model(x[:1]), y[:1]) + torch.nn.functional.mse_loss(model(x[1:]), y[1:])
+            lite.backward(loss)
+
+    cases = {"plain": plain, "lr_by_hand": lr_by_hand, "disagree": disagree, "plateau": plateau, "two_forwards": two_forwards}
     if not name.startswith("deepspeed"):  # deepspeed refuses clip_gradients anyway
         cases["unknown_optimizer"] = unknown_optimizer
     errors = {key: error(fn) for key, fn in cases.items()}
