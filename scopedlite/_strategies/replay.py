@@ -355,15 +355,15 @@ class ReplayJoin(ProcessGroupJoin):
         )
 
     # -- the opener --------------------------------------------------------------------------------
-    def _announce(self, kind: int, index: int = 0, flag: int = 0, mask: int = 0, floats: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+    def _announce(self, kind: int, index: int = 0, flag: int = 0, mask: int = 0, floats: tuple[float, float] = (0.0, 0.0)) -> list[float]:
         while len(self.pending) > _K:  # more local events than one opener carries
             self._send(EVENTS, 0, 0, 0, (0.0, 0.0))
         return self._send(kind, index, flag, mask, floats)
 
-    def _send(self, kind: int, index: int, flag: int, mask: int, floats: tuple[float, float]) -> torch.Tensor:
+    def _send(self, kind: int, index: int, flag: int, mask: int, floats: tuple[float, float]) -> list[float]:
         events, self.pending = self.pending[:_K], self.pending[_K:]
-        opener = torch.zeros(_LENGTH, dtype=torch.float64)
-        opener[_COUNT], opener[_KIND], opener[_INDEX], opener[_FLAG], opener[_MASK] = 1, kind, index, flag, mask
+        opener = [0.0] * _LENGTH  # built in Python: one tensor op instead of dozens per round
+        opener[_COUNT], opener[_KIND], opener[_INDEX], opener[_FLAG], opener[_MASK] = 1.0, kind, index, flag, mask
         opener[_F0], opener[_F1], opener[_NEV] = floats[0], floats[1], len(events)
         for k, (code, value) in enumerate(events):
             opener[_EV + k], opener[_EVV + k] = code, value
@@ -374,12 +374,12 @@ class ReplayJoin(ProcessGroupJoin):
         self._set_count(round(float(total[_COUNT])))
         return total
 
-    def _reduce(self, opener: torch.Tensor) -> torch.Tensor:
-        work = opener.to(self.device)
+    def _reduce(self, opener: list[float]) -> list[float]:
+        work = torch.tensor(opener, dtype=torch.float64, device=self.device)
         dist.all_reduce(work)
-        return work.cpu()
+        return work.tolist()  # type: ignore[no-any-return]
 
-    def _agree(self, total: torch.Tensor) -> None:
+    def _agree(self, total: list[float]) -> None:
         """All active ranks must have announced the same thing (sum of squares test)."""
         count = float(total[_COUNT])
         if count * float(total[_SIG2]) != float(total[_SIG]) ** 2:
@@ -419,7 +419,7 @@ class ReplayJoin(ProcessGroupJoin):
             )
         first = True
         while True:
-            opener = torch.zeros(_LENGTH, dtype=torch.float64)
+            opener = [0.0] * _LENGTH
             opener[_NEED] = float(any(i not in self.inputs for i in range(len(self.models))))
             if first:  # the events this rank took after its last round, for the ranks serving
                 opener[_LCOUNT], opener[_LNEV] = 1, len(own)
@@ -448,7 +448,7 @@ class ReplayJoin(ProcessGroupJoin):
                 self._apply(code, value)
             self._replay(kind, index, flag, mask, f0, f1, total)
 
-    def _leaving_report(self, total: torch.Tensor) -> list[tuple[int, float]]:
+    def _leaving_report(self, total: list[float]) -> list[tuple[int, float]]:
         leavers = float(total[_LCOUNT])
         if not leavers:
             return []
@@ -495,7 +495,7 @@ class ReplayJoin(ProcessGroupJoin):
                 "that finish early: call it after the `with lite.join(...)` block."
             )
 
-    def _replay(self, kind: int, index: int, flag: int, mask: int, f0: float, f1: float, total: torch.Tensor) -> None:
+    def _replay(self, kind: int, index: int, flag: int, mask: int, f0: float, f1: float, total: list[float]) -> None:
         if kind == FORWARD:
             if total[_NEED] > 0:
                 example = self._exchange_example(index, None)
