@@ -10,9 +10,9 @@ argv: strategy case
 import sys
 
 import torch
+from _common import make_model, write
 
 import scopedlite as lite
-from _common import make_model, write
 
 name, case = sys.argv[1], sys.argv[2]
 

@@ -14,9 +14,9 @@ Rank 0 writes every rank's record.
 import sys
 
 import torch
+from _common import make_data, make_model, write
 
 import scopedlite as lite
-from _common import make_data, make_model, write
 from scopedlite._strategies import replay
 
 name, ranks, counts = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
