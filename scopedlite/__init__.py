@@ -8,7 +8,7 @@ with import-linter; see ``docs/architecture.md``)::
     _launch                         the launch scope, its roles, workers, supervision
     _plan                           the pure resolver: arguments -> frozen Plan
     _strategies                     one class per strategy, abilities as protocols
-    _io | _comm                     checkpoint files; process groups and the wire format
+    _io | _comm | _loggers          checkpoint files; process groups and the wire format; metrics
     _cluster | _hardware            which world this process is in; what the machine has
     _private                        fenced private API of torch, DeepSpeed, torch_xla
     _core                           scopes, Run/Placement, precision; imports nothing else
@@ -23,10 +23,16 @@ from __future__ import annotations
 
 import ast as _ast
 import importlib as _importlib
+import os as _os
 from pathlib import Path as _Path
 from typing import Any as _Any
 
 __version__ = "0.1.0"
+
+try:  # where the program started: a re-executed worker starts there (scopedlite._launch.start)
+    _START_DIRECTORY: str | None = _os.getcwd()
+except OSError:
+    _START_DIRECTORY = None
 
 
 def _read_stub() -> dict[str, str]:

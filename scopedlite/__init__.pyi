@@ -15,6 +15,8 @@ from ._api.collectives import broadcast as broadcast
 from ._api.current import current as current
 from ._api.dataloader import setup_dataloader as setup_dataloader
 from ._api.join import join as join
+from ._api.log import log as log
+from ._api.log import log_dict as log_dict
 from ._api.progress import progress as progress
 from ._api.rank_zero import print as print
 from ._api.rank_zero import rank_zero_first as rank_zero_first
@@ -38,6 +40,9 @@ from ._hardware.machine import Machine as Machine
 from ._io.consolidate import consolidate_checkpoint as consolidate_checkpoint
 from ._io.files import CheckpointError as CheckpointError
 from ._launch.scope import launch as launch
+from ._loggers.base import Logger as Logger
+from ._loggers.csv import CSVLogger as CSVLogger
+from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._launch.stacks import CollectiveTimeoutError as CollectiveTimeoutError
 from ._launch.supervise import RankFailure as RankFailure
 from ._launch.supervise import WorkerFailedError as WorkerFailedError

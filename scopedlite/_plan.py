@@ -16,14 +16,27 @@ from typing import Any, Mapping, Sequence
 from scopedlite._cluster.environments import World, detect_world
 from scopedlite._core.precision import Precision, precision_for
 from scopedlite._hardware.machine import Machine
+from scopedlite._loggers.base import Logger, check_loggers
 from scopedlite._strategies.base import Strategy
 from scopedlite._strategies.registry import STRATEGIES
 
-__all__ = ["ACCELERATORS", "LAUNCHERS", "Plan", "resolve"]
+__all__ = ["ACCELERATORS", "COMMAND_LINE", "LAUNCHERS", "Plan", "resolve"]
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps", "tpu", "xla")
 LAUNCHERS = ("auto", "script", "fork")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+# The variables ``python -m scopedlite run --accelerator ... --precision ...`` sets for the
+# script it starts, one per ``launch`` argument it configures (see _command_line below).
+COMMAND_LINE = {
+    "accelerator": "SCOPEDLITE_CLI_ACCELERATOR",
+    "strategy": "SCOPEDLITE_CLI_STRATEGY",
+    "devices": "SCOPEDLITE_CLI_DEVICES",
+    "num_nodes": "SCOPEDLITE_CLI_NUM_NODES",
+    "precision": "SCOPEDLITE_CLI_PRECISION",
+}
+# What ``launch`` takes when the script leaves an argument out.
+_DEFAULTS = {"accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": None, "precision": "32-true"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,7 @@ class Plan:
             ``"fork"``, or ``"join"`` (the world exists already: see ``world``).
         timeout: How long collectives wait for other ranks.
         world: The existing world joined when ``launcher == "join"``.
+        loggers: Where ``lite.log`` writes, on global rank 0.
     """
 
     accelerator: str
@@ -53,6 +67,7 @@ class Plan:
     launcher: str
     timeout: datetime.timedelta
     world: World | None = None
+    loggers: tuple[Logger, ...] = field(default=(), compare=False)
 
     @property
     def local_world_size(self) -> int:
@@ -265,10 +280,20 @@ def resolve(
     precision: Any = "32-true",
     launcher: Any = "auto",
     timeout: Any = None,
+    loggers: Any = None,
     env: Mapping[str, str],
     machine: Machine,
 ) -> Plan:
-    """Validate the arguments of ``launch`` and decide what it will do."""
+    """Validate the arguments of ``launch`` and decide what it will do.
+
+    ``env`` may hold the options of ``python -m scopedlite run`` (:data:`COMMAND_LINE`): an
+    argument left at its default takes the command line's value; one set to another value
+    that differs from the command line's is an error naming both.
+    """
+    accelerator, strategy, devices, num_nodes, precision = _command_line(
+        {"accelerator": accelerator, "strategy": strategy, "devices": devices, "num_nodes": num_nodes, "precision": precision},
+        env,
+    )
     requested_accelerator = _check_accelerator(accelerator)
     chosen_strategy = _check_strategy(strategy)
     requested_devices = _check_devices(devices)
@@ -276,6 +301,7 @@ def resolve(
     chosen_precision = precision_for(precision)
     requested_launcher = _check_launcher(launcher)
     chosen_timeout = _check_timeout(timeout)
+    chosen_loggers = check_loggers(loggers)
 
     world = detect_world(env)
     accel = _pick_accelerator(requested_accelerator, requested_devices, machine)
@@ -356,7 +382,70 @@ def resolve(
         launcher=mode,
         timeout=chosen_timeout,
         world=world,
+        loggers=chosen_loggers,
     )
+
+
+def _command_line(arguments: dict[str, Any], env: Mapping[str, str]) -> tuple[Any, ...]:
+    """Merge the script's ``launch`` arguments with the options of ``python -m scopedlite run``.
+
+    The rule: an argument equal to its default (written out or not) takes the command line's
+    value, so a bare ``lite.launch()`` is configured from the command line the way a bare
+    ``Fabric()`` is by ``fabric run``. An argument set to anything else must agree with the
+    command line: a strategy instance agrees with the name of its class (the script's
+    instance, with its options, is used), a list of device indices with a count of the same
+    length. Anything else is a contradiction, and silently preferring either side would run
+    something one of them did not ask for.
+    """
+    merged = dict(arguments)
+    for name, variable in COMMAND_LINE.items():
+        text = env.get(variable)
+        if text is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        try:
+            given = _parse_command_line(name, text)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{variable}={text!r} (python -m scopedlite run {flag}) is not valid: {e}") from e
+        value = arguments[name]
+        if _is_default(name, value):
+            merged[name] = given
+        elif not _agrees(name, value, given):
+            raise ValueError(
+                f"launch({name}={value!r}) in the script contradicts `python -m scopedlite run "
+                f"{flag} {text}`. Remove {name}= from the launch call to take the command "
+                f"line's value, or make the two agree."
+            )
+    return tuple(merged[name] for name in ("accelerator", "strategy", "devices", "num_nodes", "precision"))
+
+
+def _is_default(name: str, value: Any) -> bool:
+    return isinstance(value, (str, type(None))) and value == _DEFAULTS[name]
+
+
+def _parse_command_line(name: str, text: str) -> Any:
+    if name == "accelerator":
+        return _check_accelerator(text)
+    if name == "strategy":
+        return _check_strategy(text)
+    if name == "devices":
+        return _check_devices(text)
+    if name == "num_nodes":
+        return _check_positive_int("num_nodes", int(text))
+    return precision_for(text).name
+
+
+def _agrees(name: str, value: Any, given: Any) -> bool:
+    if name == "strategy":
+        if isinstance(value, Strategy):
+            return given != "auto" and isinstance(value, STRATEGIES[given].cls)
+        return value == given or (value in STRATEGIES and given in STRATEGIES and STRATEGIES[value] == STRATEGIES[given])
+    if name == "devices":
+        if isinstance(value, (list, tuple)) and isinstance(given, int):
+            return len(value) == given
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value) == given
+    return bool(value == given)
 
 
 def _pick_launcher(requested: str, strategy: Strategy, world_size: int, machine: Machine) -> str:

@@ -2,10 +2,15 @@
 
 Every test fails if it leaves behind an environment variable, a torch.distributed process
 group, a child process, or an open scope.
+
+DeepSpeed's C++ op (a one-time gcc build of 1-2 minutes) is built here once per machine,
+before the first test that needs it and outside every per-test timeout, in one folder shared
+by every test file: ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/scopedlite/torch_extensions``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -20,6 +25,83 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+# One extension folder for the whole session (this process and every process a test starts),
+# so DeepSpeed's op is built once and found by every test file.
+EXTENSIONS_DIR = Path(
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR",
+        str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scopedlite" / "torch_extensions"),
+    )
+)
+
+_BUILD_OP = (
+    "from deepspeed.accelerator import get_accelerator as g; "
+    "b = g().create_op_builder('ShareMemCommBuilder'); b and b.load(verbose=False)"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "deepspeed_op: uses DeepSpeed's C++ op, built once before the first such test"
+    )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build DeepSpeed's op before the tests run (no per-test timeout applies to hooks)."""
+    if session.config.option.collectonly or not any(i.get_closest_marker("deepspeed_op") for i in session.items):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return  # those tests skip, saying why
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter is not None else print
+    start = time.monotonic()
+    problem = build_deepspeed_op(EXTENSIONS_DIR)
+    if problem:
+        say(f"building DeepSpeed's op in {EXTENSIONS_DIR} failed; its tests will fail:\n{problem}")
+    elif time.monotonic() - start > 5:
+        say(f"built DeepSpeed's op once in {EXTENSIONS_DIR} ({time.monotonic() - start:.0f} s)")
+
+
+def build_deepspeed_op(folder: Path) -> str | None:
+    """Build (or find built) DeepSpeed's op in ``folder``; return what went wrong, if anything.
+
+    Holds our own ``flock`` (released by the kernel when its holder dies, so never stale)
+    while it clears torch's stale build locks and builds: another session building at the
+    same time is waited for, and a build interrupted earlier does not block this one.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".scopedlite-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        clear_stale_build_locks(folder)
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder), "DS_ACCELERATOR": "cpu"}
+        proc = subprocess.run([sys.executable, "-c", _BUILD_OP], env=env, capture_output=True, text=True)
+    return None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-3000:]
+
+
+def clear_stale_build_locks(folder: Path) -> list[Path]:
+    """Remove torch's build locks (``<folder>/<op>/lock``) that no live process holds.
+
+    torch's ``FileBaton`` creates the file and keeps it open until the build ends; a build
+    killed by a timeout leaves it behind, and every later build then waits on it forever.
+    """
+    locks = [p for p in folder.glob("*/lock") if p.is_file()]
+    if not locks:
+        return []
+    held: set[str] = set()
+    for proc in psutil.process_iter():
+        try:
+            held.update(f.path for f in proc.open_files())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    removed = []
+    for lock in locks:
+        if str(lock) not in held and str(lock.resolve()) not in held:
+            lock.unlink(missing_ok=True)
+            removed.append(lock)
+    return removed
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import SCRIPTS
-from scopedlite._cli import build_parser, main, torchrun_argv
+from scopedlite._cli import build_parser, main, parse_args, script_environment, torchrun_argv
 
 PLAIN = """
 import json, os, sys, torch, torch.distributed as dist
@@ -22,7 +22,7 @@ dist.destroy_process_group()
 
 
 def _argv(*args: str) -> list[str]:
-    return torchrun_argv(build_parser().parse_args(["run", *args]))
+    return torchrun_argv(parse_args(["run", *args]))
 
 
 def test_one_node_is_standalone_and_passes_script_arguments_through():
@@ -39,6 +39,12 @@ def test_several_nodes_use_static_rendezvous_at_node_0():
     assert _argv("--main-port", "1234", "t.py")[-3:] == ["--master-port", "1234", "t.py"]
 
 
+def test_torchrun_options_before_the_script_are_passed_on():
+    assert _argv("--devices", "2", "--max-restarts=3", "--rdzv-conf=timeout=60", "t.py", "--x=1") == [
+        "--nproc-per-node", "2", "--standalone", "--max-restarts=3", "--rdzv-conf=timeout=60", "t.py", "--x=1",
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -48,6 +54,8 @@ def test_several_nodes_use_static_rendezvous_at_node_0():
         (["--num-nodes", "2", "--node-rank", "2", "--main-address", "a", "t.py"], "--node-rank 2 is not valid with --num-nodes 2: use 0..1"),
         (["--main-port", "70000", "t.py"], "'70000' is not a port number"),
         ([], "the following arguments are required: target"),
+        (["--max-restarts", "3", "t.py"], "'--max-restarts' is not an option of run"),
+        (["--nproc_per_node=4", "t.py"], "run sets torchrun's --nproc-per-node itself; use --devices"),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message, capsys):
@@ -106,3 +114,76 @@ def test_a_failing_rank_gives_exit_1_and_names_the_rank(run_python, tmp_path):
     assert result.returncode == 1, result.explain()
     assert "KeyError: 'boom on one'" in result.stderr
     assert "rank      : 1 (local_rank: 1)" in result.stderr
+
+
+def test_launch_options_reach_the_script_only_when_given():
+    options = build_parser().parse_args(
+        ["run", "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "3", "--precision", "bf16-true", "t.py"]
+    )
+    assert script_environment(options) == {
+        "SCOPEDLITE_CLI_ACCELERATOR": "cpu",
+        "SCOPEDLITE_CLI_STRATEGY": "fsdp",
+        "SCOPEDLITE_CLI_DEVICES": "3",
+        "SCOPEDLITE_CLI_PRECISION": "bf16-true",
+    }
+    assert torchrun_argv(options)[:2] == ["--nproc-per-node", "3"]
+    assert script_environment(build_parser().parse_args(["run", "--devices", "gpu", "t.py"])) == {}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "dpp", "t.py"], "argument --strategy: invalid choice: 'dpp'"),
+        (["--precision", "fp8", "t.py"], "argument --precision: invalid choice: 'fp8'"),
+        (["--accelerator", "tpu2", "t.py"], "argument --accelerator: invalid choice: 'tpu2'"),
+    ],
+)
+def test_bad_launch_options_fail_before_anything_starts(args, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["run", *args])
+    assert message in capsys.readouterr().err
+
+
+FABRIC_STYLE = """
+import json, os, torch, scopedlite as lite
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+with lite.launch() as run:          # configured by the command line alone
+    model, opt = lite.setup(lin := torch.nn.Linear(4, 1), torch.optim.SGD(lin.parameters(), lr=0.1))
+    loader = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=8))
+    losses = []
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        lite.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(lite.all_reduce(loss.detach(), op="mean").item())
+    weights = lite.all_gather(lin.weight.detach().flatten())
+    with open(os.environ["OUT"] + f".rank{run.global_rank}", "w") as f:
+        json.dump({"world": run.world_size, "strategy": run.strategy.name, "accelerator": run.accelerator,
+                   "batches": len(losses), "losses": losses, "dtype": str(lin.weight.dtype), "same_weights": bool((weights == weights[0]).all())}, f)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_bare_launch_is_configured_by_the_command_line_and_trains_on_two_ranks(run_python, tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(FABRIC_STYLE)
+    result = run_python("-m", "scopedlite", "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2", "--precision", "64-true", str(path))
+    assert result.returncode == 0, result.explain()
+    ranks = [json.loads(open(f"{result._out}.rank{rank}").read()) for rank in (0, 1)]
+    for out in ranks:
+        assert (out["world"], out["strategy"], out["accelerator"], out["batches"]) == (2, "ddp", "cpu", 4)
+        assert out["dtype"] == "torch.float64"  # --precision 64-true reached the bare launch()
+        assert out["same_weights"]  # DDP kept the replicas in step
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+
+
+@pytest.mark.timeout(90)
+def test_a_launch_argument_contradicting_the_command_line_stops_the_script_naming_both(run_python, tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import scopedlite as lite\nwith lite.launch(accelerator='cpu', precision='64-true'):\n    pass\n")
+    result = run_python("-m", "scopedlite", "run", "--precision", "bf16-true", str(path))
+    assert result.returncode == 1, result.explain()
+    assert "launch(precision='64-true') in the script contradicts `python -m scopedlite run --precision bf16-true`" in result.stderr

@@ -59,6 +59,9 @@ def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
     expected = [p.detach().flatten().tolist() for p in model.parameters()]
     assert _close(out["params"], expected)
     assert out["norm"] == pytest.approx(norm.item(), rel=1e-5)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])  # of the update above, before it
+    assert out["norm_inf"] == pytest.approx(grads.abs().max().item(), rel=1e-5)
+    assert out["norm_1"] == pytest.approx(grads.abs().sum().item(), rel=1e-5)
     assert out["dtype"] == "torch.bfloat16"
     assert out["restored"] and out["restored_all"] == 1 and out["rest"] == {"step": 1}
     first, second = out["stamps"]

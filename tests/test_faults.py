@@ -25,12 +25,23 @@ for _round in range(2):
     CASES += [(_rng.choice((1, 2)), mode, point) for mode, point in zip(MODES, points)]
 # rank 0 is the main process: it raising must stop the workers too
 CASES = list(dict.fromkeys(CASES)) + [(0, "raise", "forward"), (0, "raise", "collective")]
+# Faults found by trying it as a new user would (issue 18): a rank whose DataLoader workers keep
+# its sockets open, a rank leaving the block with sys.exit(0), a rank skipping a collective.
+CASES += [
+    (1, "kill_loader", "collective"),
+    (1, "kill_loader", "forward"),
+    (1, "exit0", "collective"),
+    (2, "exit0", "init"),
+    (1, "skip", "collective"),
+]
 
 EXPECTED = {
     "raise": "RuntimeError: injected fault",
     "kill": "killed by SIGKILL",
     "abort": "aborted (SIGABRT)",
     "sigterm": "SystemExit: 143",
+    "kill_loader": "killed by SIGKILL",
+    "exit0": "left the launch block early: SystemExit(0) at",
 }
 
 
@@ -41,11 +52,42 @@ def test_fault_ends_the_run_cleanly(script, rank, mode, point):
     if rank == 0:
         assert out["error"] == "RuntimeError", result.explain()
         assert "injected fault on rank 0" in out["message"]
+    elif mode == "skip":
+        # the others time out in the collective; the error shows where every rank was
+        assert out["error"] == "CollectiveTimeoutError", result.explain()
+        assert f"--- rank {rank} (done with the block's body" in out["message"], out["message"]
+        out["latency"] -= out["timeout"]
     else:
         assert out["error"] == "WorkerFailedError", result.explain()
         assert out["ranks"] == [rank], out["message"]
         assert EXPECTED[mode] in out["message"], out["message"]
     assert out["latency"] is not None and out["latency"] < 3.0, out["latency"]
     for pid in out["pids"]:
+        if psutil.pid_exists(pid):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"
+
+
+def test_sigterm_to_every_process_at_once_is_one_clean_stop(tmp_path):
+    """systemd stopping a service, or a scheduler signalling the whole tree: each process gets
+    its own SIGTERM as well as the one rank 0 forwards. It is still one stop request."""
+    import json
+    import os
+    import signal
+
+    from test_launch import _start_and_wait_ready
+
+    from conftest import SCRIPTS
+
+    out = tmp_path / "preempt.json"
+    proc = _start_and_wait_ready(SCRIPTS / "preempt.py", out, tmp_path)
+    pids = [int(open(f"{out}.pid{r}").read()) for r in (0, 1)]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    result = json.loads(out.read_text())
+    assert result["saved"]
+    assert result["steps"][0] == result["steps"][1] >= 5
+    for pid in pids:
         if psutil.pid_exists(pid):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"

@@ -59,10 +59,13 @@ def test_sharded_init_equals_a_plain_build_halves_storage_and_trains_like_one_pr
     assert out["opt_points_at_model"] and out["opt_lr"] == 0.1
 
     # SGD steps, accumulation with no_backward_sync, global-norm clipping: as one process
-    model, _, norm = reference("sgd")
+    norms: dict[str, float] = {}
+    model, _, norm = reference("sgd", norms=norms)
     assert _max_diff(out["params"], _flat(model)) < 1e-5
     assert out["params_rank1"] == out["params"]
     assert out["norm"] == pytest.approx(norm, rel=1e-5)
+    assert out["norm_inf"] == pytest.approx(norms["norm_inf"], rel=1e-5)  # norm_type=inf over both shards
+    assert out["norm_1"] == pytest.approx(norms["norm_1"], rel=1e-5)
     assert norm > 0.05  # clipping really happened
 
     # a module whose values cannot be recreated after a meta build is refused, with the way out

@@ -368,3 +368,176 @@ def test_a_second_sigterm_stops_at_once(tmp_path):
     proc.communicate(timeout=15)
     assert proc.returncode == 128 + signal.SIGTERM
     _assert_no_survivors([int(open(f"{out}.pid{r}").read()) for r in (0, 1)])
+
+
+LISTENING = """
+import json, os, psutil, scopedlite as lite
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+    lite.barrier()  # every rank's store connection and gloo pairs are up
+    if run.is_global_zero:
+        procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+        seen = [
+            [p.pid, c.laddr.ip, c.laddr.port]
+            for p in procs
+            for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        json.dump({"listening": seen, "pids": [p.pid for p in procs]}, open(os.environ["OUT"], "w"))
+    lite.barrier()
+"""
+
+
+def test_a_local_run_listens_on_the_loopback_address_only(run_python):
+    result = run_python("-c", LISTENING)
+    assert result.returncode == 0, result.explain()
+    out = result.json()
+    assert len(out["pids"]) == 2
+    assert out["listening"], "the store should be listening"
+    exposed = [s for s in out["listening"] if s[1] not in ("127.0.0.1", "::1")]
+    assert not exposed, f"listening on more than the loopback address: {exposed}"
+
+
+def test_summary_is_the_exception_line_and_rank_zero_tracebacks_are_unprefixed(run_python):
+    code = textwrap.dedent(
+        """
+        import scopedlite as lite
+        try:
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+                lite.barrier()
+                if run.global_rank == 1:  # a pytest assertion: its message goes on for lines
+                    raise AssertionError("assert 1 == 2.\\n +  where 1 = Run(global_rank=1)")
+                lite.barrier()
+        except lite.WorkerFailedError as e:
+            print("SUMMARY", str(e).splitlines()[0])
+        raise ValueError("uncaught on rank 0")
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 1
+    summary = next(l for l in result.stdout.splitlines() if l.startswith("SUMMARY"))
+    assert summary == "SUMMARY rank 1 raised AssertionError: assert 1 == 2. The other ranks were stopped."
+    assert "ValueError: uncaught on rank 0" in result.stderr
+    assert "[rank0]" not in result.stderr, result.stderr
+
+
+CHDIR = """
+import os, json, scopedlite as lite
+os.makedirs("out", exist_ok=True)
+os.chdir("out")  # before launch: a worker re-runs this line from the directory we started in
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=0.5) as run:
+    total = lite.all_reduce(run.global_rank + 1)  # timeout=0.5 bounds this, not the start-up
+    json.dump({"sum": total, "cwd": os.getcwd()}, open(os.environ["OUT"] + f".rank{run.global_rank}", "w"))
+"""
+
+
+@pytest.mark.parametrize("form", ["script", "absolute", "module"])
+def test_chdir_before_launch_and_a_short_collective_timeout(run_python, tmp_path, form):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "chdir_first.py").write_text(CHDIR)
+    argv = {
+        "script": ["pkg/chdir_first.py"],
+        "absolute": [str(tmp_path / "pkg" / "chdir_first.py")],
+        "module": ["-m", "pkg.chdir_first"],
+    }[form]
+    result = run_python(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.explain()
+    outs = [json.load(open(f"{result._out}.rank{r}")) for r in (0, 1)]
+    assert [o["sum"] for o in outs] == [3, 3]
+    assert [o["cwd"] for o in outs] == [str(tmp_path / "out")] * 2  # not out/out on rank 1
+
+
+def test_a_worker_that_exits_with_code_0_before_launch_is_reported_at_once(run_python):
+    code = textwrap.dedent(
+        """
+        import os, sys, time, scopedlite as lite
+        if os.environ.get("SCOPEDLITE_LAUNCH_TOKEN"):
+            print("worker took another path")
+            sys.exit(0)  # the re-executed worker never reaches launch
+        start = time.time()
+        try:
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu"):  # 30 min timeout
+                pass
+        except lite.WorkerFailedError as e:
+            print("CAUGHT", e.ranks, e.failures[0].exitcode, round(time.time() - start, 2))
+            print(str(e).splitlines()[0])
+        """
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.explain()
+    line = next(l for l in result.stdout.splitlines() if l.startswith("CAUGHT"))
+    assert line.startswith("CAUGHT (1,) 0"), result.stdout
+    assert float(line.split()[-1]) < 3
+    assert "rank 1 exited with code 0 before it reached lite.launch(" in result.stdout
+    assert "worker took another path" in result.stdout
+
+
+def test_a_script_read_from_stdin_with_its_own_dash_c_forks(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import _env
+
+    code = "import sys, scopedlite as lite\nwith lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=60) as run:\n    print('sum', lite.all_reduce(1), sys.argv)\n"
+    proc = subprocess.run([sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "sum 2 ['-', '-c']" in proc.stdout
+
+
+def test_two_launches_from_one_line_are_told_apart(run_python, tmp_path):
+    path = tmp_path / "helper.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import os, scopedlite as lite
+
+            def run(n):
+                with lite.launch(devices=n, accelerator="cpu", timeout=60) as r:
+                    asked = lite.all_gather(n).tolist()  # the devices= each rank's block was given
+                return asked
+
+            print("RESULTS", run(1), run(2), os.getpid())
+            """
+        )
+    )
+    result = run_python(str(path))
+    assert result.returncode == 0, result.explain()
+    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULTS")]
+    assert len(lines) == 1 and lines[0].startswith("RESULTS [1] [2, 2]"), result.stdout
+
+
+def test_a_script_started_by_rank_1_launches_a_run_of_its_own(run_python, tmp_path):
+    child = tmp_path / "child.py"
+    child.write_text(
+        textwrap.dedent(
+            """
+            import os, scopedlite as lite
+            inherited = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "SCOPEDLITE_LAUNCH_TOKEN")}
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+                total = lite.all_reduce(run.global_rank + 10)
+            print("CHILD", total, run.world_size, inherited)
+            """
+        )
+    )
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        textwrap.dedent(
+            f"""
+            import os, subprocess, sys, scopedlite as lite
+            with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+                env_rank = os.environ.get("RANK")
+                if run.global_rank == 1:
+                    out = subprocess.run([sys.executable, {str(child)!r}], capture_output=True, text=True)
+                    open(os.environ["OUT"] + ".child", "w").write(out.stdout + out.stderr)
+                lite.barrier()
+                # one write: rank 0's own lines are not protected against the workers' lines
+                print("RANK in the environment of rank %d : %s" % (run.global_rank, env_rank))
+            """
+        )
+    )
+    result = run_python(str(parent))
+    assert result.returncode == 0, result.explain()
+    child_out = open(f"{result._out}.child").read()
+    assert "CHILD 21 2 {'RANK': None, 'WORLD_SIZE': None, 'SCOPEDLITE_LAUNCH_TOKEN': None}" in child_out, child_out
+    assert "RANK in the environment of rank 0 : None" in result.stdout
+    assert "RANK in the environment of rank 1 : None" in result.stdout  # as on rank 0

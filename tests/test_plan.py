@@ -159,3 +159,44 @@ def test_resolve_either_plans_consistently_or_raises_a_clear_error(accelerator, 
     assert (p.launcher == "none") == (not p.strategy.multi_process)
     if p.accelerator == "cuda":
         assert all(0 <= d < gpus for d in p.devices)
+
+
+# -- python -m scopedlite run --accelerator/--strategy/--devices/--num-nodes/--precision -------
+CLI = {"SCOPEDLITE_CLI_STRATEGY": "ddp", "SCOPEDLITE_CLI_DEVICES": "2", "SCOPEDLITE_CLI_PRECISION": "bf16-mixed"}
+
+
+def test_arguments_left_at_their_default_take_the_command_lines_values():
+    p = plan(env={**TORCHRUN, **CLI, "SCOPEDLITE_CLI_ACCELERATOR": "cpu", "SCOPEDLITE_CLI_NUM_NODES": "2"})
+    assert (p.strategy.name, p.devices, p.precision.name, p.accelerator, p.num_nodes) == ("ddp", (0, 1), "bf16-mixed", "cpu", 2)
+    # written out at the default value counts as the default
+    assert plan(env={**TORCHRUN, **CLI}, precision="32-true", strategy="auto").precision.name == "bf16-mixed"
+    # the command line's strategy, not "auto"'s choice: fsdp rather than ddp
+    assert plan(env={**TORCHRUN, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}).strategy.name == "fsdp"
+
+
+def test_arguments_that_agree_with_the_command_line_are_kept():
+    instance = lite.DDPStrategy(find_unused_parameters=True)
+    p = plan(env={**TORCHRUN, **CLI}, strategy=instance, devices="2", precision="bf16-mixed")
+    assert p.strategy.name == "ddp" and p.strategy.fresh().describe() == instance.fresh().describe()
+    assert plan(env={**TORCHRUN, "SCOPEDLITE_CLI_STRATEGY": "ddp_fork"}, strategy="ddp_notebook").strategy.name == "ddp"
+    assert plan(env={**TORCHRUN, **CLI}, machine=GPU4, devices=[2, 3]).devices == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "words"),
+    [
+        ({"strategy": "fsdp"}, CLI, ["launch(strategy='fsdp')", "--strategy ddp", "Remove strategy="]),
+        ({"strategy": lite.FSDPStrategy()}, CLI, ["--strategy ddp", "FSDP"]),
+        ({"devices": 4}, CLI, ["launch(devices=4)", "--devices 2"]),
+        ({"devices": [0, 1, 2]}, CLI, ["launch(devices=[0, 1, 2])", "--devices 2"]),
+        ({"precision": "64-true"}, CLI, ["launch(precision='64-true')", "--precision bf16-mixed"]),
+        ({"accelerator": "cuda"}, {"SCOPEDLITE_CLI_ACCELERATOR": "cpu"}, ["launch(accelerator='cuda')", "--accelerator cpu"]),
+        ({"num_nodes": 1}, {"SCOPEDLITE_CLI_NUM_NODES": "2"}, ["launch(num_nodes=1)", "--num-nodes 2"]),
+        ({}, {"SCOPEDLITE_CLI_PRECISION": "fp8"}, ["SCOPEDLITE_CLI_PRECISION='fp8'", "--precision", "'bf16-mixed'"]),
+    ],
+)
+def test_an_explicit_argument_contradicting_the_command_line_names_both(kwargs, env, words):
+    with pytest.raises(ValueError) as info:
+        plan(env={**TORCHRUN, **env}, machine=GPU4, **kwargs)
+    for word in words:
+        assert word in str(info.value), str(info.value)

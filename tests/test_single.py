@@ -68,6 +68,42 @@ def test_training_step_matches_plain_torch():
         lite.clip_gradients(model, opt, max_norm=-1)
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3, float("inf"), "inf"])
+def test_clip_gradients_by_any_p_norm_matches_torch(norm_type):
+    torch.manual_seed(0)
+    model, reference = _model(), _model()
+    reference.load_state_dict(model.state_dict())
+    model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    lite.backward(torch.nn.functional.cross_entropy(model(x), y))
+    norm = lite.clip_gradients(model, opt, max_norm=0.01, norm_type=norm_type)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    p = float(norm_type)
+    grads = torch.cat([q.grad.flatten() for q in reference.parameters()])
+    assert norm.item() == pytest.approx(grads.abs().max().item() if p == float("inf") else grads.abs().pow(p).sum().pow(1 / p).item(), rel=1e-6)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type=p)
+    assert torch.equal(norm, ref_norm) and norm > 0.01  # it did clip
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"max_norm": 1.0, "norm_type": 0}, ["norm_type=0", "float('inf')"]),
+        ({"max_norm": 1.0, "norm_type": "max"}, ["norm_type='max'"]),
+        ({"clip_val": 1.0, "norm_type": 1.0}, ["norm_type=1.0", "max_norm="]),
+    ],
+)
+def test_clip_gradients_refuses_a_bad_norm_type(kwargs, words):
+    model = _model()
+    model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as info:
+        lite.clip_gradients(model, opt, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64), ("16-true", torch.float16)])
 def test_true_precisions_convert_module_and_inputs(precision, dtype):
     with lite.launch(accelerator="cpu", precision=precision):
@@ -198,3 +234,17 @@ def test_join_is_a_no_op_on_one_device():
         with pytest.raises(lite.ScopeError, match="do not nest"):
             with lite.join():
                 pass
+
+
+def test_a_second_setup_of_the_same_module_in_one_run_is_refused():
+    model = _model()
+    with lite.launch(devices=1, accelerator="cpu"):
+        prepared = lite.setup(model)
+        with pytest.raises(RuntimeError, match=r"already set up in this run \(at .*test_single.py:\d+\).*model = lite.setup\(model\)"):
+            lite.setup(model)
+        with pytest.raises(RuntimeError, match="already set up in this run"):
+            lite.setup(prepared, torch.optim.SGD(model.parameters(), lr=0.1))
+    with lite.launch(devices=1, accelerator="cpu"):  # a new run may set it up again
+        lite.setup(model)
+    lite.setup(model)  # outside any launch (a notebook cell run twice): harmless, allowed
+    lite.setup(model)

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import math
+import weakref
 from typing import Any
 
 import torch
 
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
+from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsJointSetup
 
 __all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
+
+# Which modules were set up in which launched run (its strategy object, one per launch block),
+# and where. Setting the same module up twice in one run wraps it twice (two DDP reducers on
+# one set of parameters), and the ranks then hang in their first collective.
+_set_up: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_second_setup(module: torch.nn.Module) -> None:
+    run = current()
+    seen = _set_up.get(module)
+    if run.launched and seen is not None and seen[0]() is run.strategy:
+        raise RuntimeError(
+            f"lite.setup got a {type(module).__name__} that was already set up in this run "
+            f"(at {seen[1]}). Set a model up once per launch block and keep what setup "
+            "returned: `model = lite.setup(model)` (or `model, opt = lite.setup(model, opt)`), "
+            "then use `model` from there on."
+        )
+
+
+def _remember_setup(*modules: torch.nn.Module) -> None:
+    run = current()
+    if run.launched:
+        site = call_site()
+        for module in modules:
+            _set_up[module] = (weakref.ref(run.strategy), site)
 
 
 def setup_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -19,8 +47,11 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     (``DistributedDataParallel`` under DDP). Returns the module to train with."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"setup_module takes a torch.nn.Module, got {type(module).__name__}.")
+    _refuse_second_setup(module)
     run = current()
-    return _cast_inputs(run.strategy.setup_module(module))
+    prepared = _cast_inputs(run.strategy.setup_module(module))
+    _remember_setup(module, prepared)
+    return prepared
 
 
 def _cast_inputs(prepared: torch.nn.Module) -> torch.nn.Module:
@@ -61,7 +92,9 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         for optimizer in optimizers:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"setup takes torch optimizers, got {type(optimizer).__name__}.")
+        _refuse_second_setup(module)
         engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
+        _remember_setup(module, engine)
         return (_cast_inputs(engine), *prepared_opts)
     prepared = setup_module(module)
     if not optimizers:
@@ -80,10 +113,22 @@ def clip_gradients(
     optimizer: torch.optim.Optimizer,
     max_norm: float | None = None,
     clip_val: float | None = None,
+    norm_type: float | str = 2.0,
 ) -> torch.Tensor | None:
     """Clip gradients by total norm (``max_norm``) or by value (``clip_val``), not both.
 
-    Returns the total norm before clipping when clipping by norm.
+    Args:
+        module: The set-up model.
+        optimizer: The set-up optimizer whose parameters' gradients are clipped.
+        max_norm: Scale the gradients so their total ``norm_type``-norm is at most this.
+        clip_val: Clamp every gradient element to ``[-clip_val, clip_val]``.
+        norm_type: The p of the p-norm for ``max_norm``: a positive number, or
+            ``float("inf")`` / ``"inf"`` for the largest absolute value. Default 2.0, as in
+            ``torch.nn.utils.clip_grad_norm_``. Under FSDP the norm is of the whole gradient,
+            not of this rank's shard.
+
+    Returns:
+        The total norm before clipping when clipping by norm, else None.
     """
     if (max_norm is None) == (clip_val is None):
         raise ValueError(
@@ -93,11 +138,28 @@ def clip_gradients(
     for name, value in (("max_norm", max_norm), ("clip_val", clip_val)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name}={value!r} is not valid: it must be a positive number.")
+    p = _norm_type(norm_type)
+    if clip_val is not None and p != 2.0:
+        raise ValueError(
+            f"norm_type={norm_type!r} applies to clipping by norm (max_norm=), but clip_val= "
+            "clips each value. Pass max_norm= instead of clip_val=, or leave norm_type out."
+        )
     run = current()
     session = active_session(run) if run.world_size > 1 else None
     # Inside lite.join the session clips: under sharding, ranks that ran out of data clip too.
     target = session if session is not None else run.strategy
-    return target.clip_gradients(module, optimizer, max_norm, clip_val)
+    return target.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=p)
+
+
+def _norm_type(norm_type: object) -> float:
+    if norm_type == "inf":
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(
+            f"norm_type={norm_type!r} is not valid: pass a positive number (2.0 for the "
+            "Euclidean norm, 1.0) or float('inf') / 'inf' for the largest absolute value."
+        )
+    return float(norm_type)
 
 
 def to_device(obj: Any) -> Any:

@@ -1,8 +1,7 @@
 """torch.distributed plumbing shared by the multi-process strategies.
 
 Process-group creation and teardown (with the rendezvous store), and the four collectives on
-plain tensors: reductions that return a
-new tensor (the input is never modified), gathers stacked on a new leading dimension, and a
+plain tensors: reductions that return a new tensor (the input is never modified), gathers stacked on a new leading dimension, and a
 broadcast that needs nothing of the receivers (they may pass None) because the source first
 sends a small header describing what follows. Objects travel as pickled bytes rather than
 through ``broadcast_object_list``, which needs numpy on the receiving ranks in torch 2.13.
@@ -11,6 +10,8 @@ through ``broadcast_object_list``, which needs numpy on the receiving ranks in t
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import time
 from typing import Any
 
@@ -18,14 +19,8 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
-from scopedlite._comm.wire import (
-    DTYPES,
-    MAX_DIMS,
-    TORCH_OPS,
-    from_bytes,
-    to_bytes,
-    wire_dtype,
-)
+from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
+from scopedlite._private.torch_internals import set_group_timeout
 
 __all__ = [
     "all_gather_tensor",
@@ -34,7 +29,6 @@ __all__ = [
     "broadcast_any",
     "init_process_group",
 ]
-
 
 
 def init_process_group(
@@ -64,6 +58,12 @@ def init_process_group(
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
     rank, size = world.global_rank, world.world_size
+    ours = world.source == "scopedlite"
+    collective_timeout = timeout
+    if ours:
+        # Meeting the other ranks is bounded by the start-up limit, not by launch(timeout=):
+        # a rank may still be importing torch while another one waits to connect.
+        timeout = max(timeout, start_timeout())
     if store is None and world.source == "torchelastic":
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kwargs)
         return
@@ -76,7 +76,40 @@ def init_process_group(
             # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
             # died before joining can be noticed, instead of inside torch's blocking rendezvous.
             store.set(ready_key(rank), "1")
+    if ours:
+        _launch_store[:] = [store]
+    hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    if ours:
+        set_group_timeout(collective_timeout)  # from here on, collectives wait launch(timeout=)
+        # torch replaces sys.excepthook with one that prefixes every line with "[rankN]:", for
+        # good. Rank 0 of a run we start is the user's own process and stays unprefixed; our
+        # workers prefix their lines themselves ("[rank N] ", scopedlite._launch.output).
+        sys.excepthook = hook
+
+
+START_TIMEOUT_ENV = "SCOPEDLITE_START_TIMEOUT"
+_DEFAULT_START_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def start_timeout() -> datetime.timedelta:
+    """How long the ranks of a run we start may take to reach ``launch`` and meet.
+
+    Separate from ``launch(timeout=)``, which bounds collectives: a short collective timeout
+    must not fail a start-up that imports torch or prepares data. ``SCOPEDLITE_START_TIMEOUT``
+    (seconds) sets it; the default is 30 minutes. A worker that exits or fails before it
+    arrives is reported at once, whatever this limit is.
+    """
+    value = os.environ.get(START_TIMEOUT_ENV, "").strip()
+    if not value:
+        return _DEFAULT_START_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{START_TIMEOUT_ENV}={value!r} is not valid: it must be a positive number of seconds.")
+    return datetime.timedelta(seconds=seconds)
 
 
 def ready_key(rank: int) -> str:
@@ -87,7 +120,43 @@ def ready_key(rank: int) -> str:
 _own_store: list[tuple[Any, int, int]] = []
 
 
+# The store of the run our launcher started that this process is in (rank 0 hosts it).
+_launch_store: list[Any] = []
+
+
+def end_of_block_barrier(rank: int, size: int, seconds: float) -> bool:
+    """Wait until every rank of a run we started reached the end of its launch block.
+
+    Through the store, not a collective: a rank that skipped a collective the others are in
+    must not meet them in this barrier, where a collective of another kind would answer
+    theirs (gloo then breaks the connection). Waiting here, it leaves them to time out in
+    their collective, which names where everyone was. Polled from Python, so rank 0 can be
+    interrupted when a worker fails. Returns False where there is no such store (the caller
+    falls back to a collective barrier); raises ``TimeoutError`` naming the missing ranks.
+    """
+    if not _launch_store:
+        return False
+    import time
+
+    store = _launch_store[0]
+    store.set(f"scopedlite/block-end/{rank}", "1")
+    keys = [f"scopedlite/block-end/{r}" for r in range(size)]
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise TimeoutError(
+                f"Timed out after {seconds:.0f} s at the end of the launch block waiting for "
+                f"rank(s) {missing}, which did not get there (launch(timeout=))."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
+
+
 def destroy_process_group() -> None:
+    _launch_store.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     if _own_store:

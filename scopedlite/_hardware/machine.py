@@ -77,7 +77,10 @@ def _has_script() -> bool:
     argv = getattr(sys, "orig_argv", None)
     if not argv:
         return False
-    if "-c" in argv or "-m" in argv:
+    # Only the interpreter's own options count: in `python - -c` (a script read from stdin)
+    # or `python x.py -m`, the -c / -m are the script's arguments.
+    options = argv[: len(argv) - len(sys.argv)]
+    if "-c" in options or "-m" in options:
         return True
     main_file = getattr(main, "__file__", None)
     return main_file is not None and os.path.exists(main_file)

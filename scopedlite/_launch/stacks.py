@@ -38,7 +38,10 @@ class CollectiveTimeoutError(TimeoutError):
         ]
         for rank in range(1, world_size):
             stack = stacks.get(rank)
-            lines.append(f"\n--- rank {rank} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)"))
+            note = ""
+            if stack and "in end_of_block_barrier" in stack:
+                note = " (done with the block's body: it waits at the end of the launch block)"
+            lines.append(f"\n--- rank {rank}{note} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)"))
         super().__init__("\n".join(lines))
 
 

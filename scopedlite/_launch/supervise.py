@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from scopedlite._launch.stacks import collect_stacks
+
 __all__ = ["RankFailure", "Supervisor", "WorkerFailedError", "set_parent_death_signal"]
 
 POLL_SECONDS = 0.05
@@ -37,6 +39,9 @@ class RankFailure:
     rank: int
     exitcode: int | None
     traceback: str | None
+    #: What the rank itself said happened, one line ("raised ValueError: bad batch", "left
+    #: the launch block early ..."); None when it could not say (killed, died in C code).
+    reason: str | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -47,7 +52,16 @@ class RankFailure:
                 return f"signal {-self.exitcode}"
         return None
 
+    @property
+    def timed_out(self) -> bool:
+        """Whether the rank failed because a collective (or the end-of-block wait) timed out."""
+        lines = (self.traceback or "").strip().splitlines()
+        text = f"{self.reason or ''} {lines[-1] if lines else ''}".lower()
+        return "timed out" in text or "timeout" in text
+
     def summary(self) -> str:
+        if self.reason:
+            return f"rank {self.rank} {self.reason}"
         if self.traceback:
             last = self.traceback.strip().splitlines()[-1]
             return f"rank {self.rank} raised {last}"
@@ -74,7 +88,10 @@ class WorkerFailedError(RuntimeError):
 
     def __init__(self, failures: list[RankFailure]) -> None:
         self.failures = tuple(sorted(failures, key=lambda f: f.rank))
-        lines = ["; ".join(f.summary() for f in self.failures) + ". The other ranks were stopped."]
+        summary = "; ".join(f.summary() for f in self.failures)
+        if not summary.endswith((".", "!", "?")):
+            summary += "."
+        lines = [summary + " The other ranks were stopped."]
         for failure in self.failures:
             if failure.traceback:
                 lines.append(f"\n--- traceback of rank {failure.rank} ---\n{failure.traceback.rstrip()}")
@@ -97,11 +114,34 @@ class Worker(Protocol):
     def poll(self) -> int | None: ...
 
 
+def _end_group_of_exited(pid: int) -> None:
+    """If worker ``pid`` has exited, kill what is left of its process group, before reaping.
+
+    A worker leads its own process group; its children (DataLoader workers) stay in it and
+    keep its sockets open, so its peers would only notice it is gone when those children give
+    up (about 5 s for a DataLoader). Looking without reaping (``WNOWAIT``) keeps the pid, and
+    so the group id, from being reused by an unrelated process while we signal it.
+    """
+    if not hasattr(os, "waitid"):
+        return
+    try:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return
+    except ChildProcessError:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class PopenWorker:
     def __init__(self, rank: int, process: subprocess.Popen[bytes]) -> None:
         self.rank, self.process, self.pid = rank, process, process.pid
 
     def poll(self) -> int | None:
+        if self.process.returncode is None:
+            _end_group_of_exited(self.pid)
         return self.process.poll()
 
 
@@ -112,6 +152,7 @@ class ForkedWorker:
 
     def poll(self) -> int | None:
         if self._returncode is None:
+            _end_group_of_exited(self.pid)
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
@@ -148,6 +189,8 @@ class Supervisor:
         self._previous_handler: object = None
         self._wakeup_read = self._previous_wakeup = -1
         self._sigterms = 0
+        #: Where the live workers were when one failed by a timeout, by rank.
+        self.stacks: dict[int, str] = {}
         self._thread = threading.Thread(target=self._watch, name="scopedlite-supervisor", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -187,8 +230,13 @@ class Supervisor:
         while not self._stop.is_set():
             if self._wakeup_read != -1:
                 self._drain_signals()
-            if not self._failed.is_set() and self._first_bad_exit() is not None:
+            bad = None if self._failed.is_set() else self._first_bad_exit()
+            if bad is not None:
                 self._failed.set()
+                if RankFailure(bad.rank, bad.poll(), self._traceback_of(bad.rank), self._reason_of(bad.rank)).timed_out:
+                    # A collective timed out there: the ranks still waiting in it, or not, are
+                    # the diagnosis (lite.CollectiveTimeoutError). Ask them before they go.
+                    self.stacks = collect_stacks(self.workers, self.error_dir)
                 self.kill_all()
                 if self._armed:  # the handler disarms when it raises
                     signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
@@ -216,7 +264,11 @@ class Supervisor:
     def _first_bad_exit(self) -> Worker | None:
         for worker in self.workers:
             code = worker.poll()
-            if code not in (None, 0) and worker.pid not in self._killed:
+            if worker.pid in self._killed or code is None:
+                continue
+            # code 0 is a failure too when the rank left its launch block early (sys.exit(0)
+            # inside it): it wrote why, and the others can no longer finish the block.
+            if code != 0 or self._reason_of(worker.rank) is not None:
                 return worker
         return None
 
@@ -247,7 +299,7 @@ class Supervisor:
             code = worker.poll()
             trace = self._traceback_of(worker.rank)
             if trace is not None or (code not in (None, 0) and worker.pid not in self._killed):
-                found.append(RankFailure(worker.rank, code, trace))
+                found.append(RankFailure(worker.rank, code, trace, self._reason_of(worker.rank)))
         causes = [f for f in found if not _is_consequence(f)]
         return causes or found
 
@@ -255,6 +307,12 @@ class Supervisor:
         path = self.error_dir / f"rank{rank}.txt"
         try:
             return path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def _reason_of(self, rank: int) -> str | None:
+        try:
+            return (self.error_dir / f"rank{rank}.txt.reason").read_text().strip() or None
         except FileNotFoundError:
             return None
 

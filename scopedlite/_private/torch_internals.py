@@ -6,9 +6,12 @@ torch 2.13.0.
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-__all__ = ["cpu_twin"]
+import torch
+from torch.distributed import distributed_c10d
+
+__all__ = ["cpu_twin", "set_group_timeout"]
 
 
 def cpu_twin(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Module:
@@ -32,3 +35,15 @@ def cpu_twin(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Mo
     }
     twin._modules = {}
     return twin
+
+
+def set_group_timeout(timeout: Any) -> None:
+    """Change how long the default process group's collectives wait, after it was created.
+
+    Why private: a run we start creates its group under a generous start-up limit (a rank may
+    still be importing torch while the others connect) and then bounds collectives by
+    ``launch(timeout=)``. ``init_process_group`` takes one timeout for both; the public API
+    has no way to change it afterwards, and ``_set_pg_timeout`` (gloo and NCCL) is torch's
+    own. Checked against torch 2.3-2.13.
+    """
+    distributed_c10d._set_pg_timeout(timeout)

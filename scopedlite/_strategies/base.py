@@ -106,10 +106,11 @@ class Strategy(ABC):
         optimizer: torch.optim.Optimizer,
         max_norm: float | None,
         clip_val: float | None,
+        norm_type: float = 2.0,
     ) -> torch.Tensor | None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if max_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         torch.nn.utils.clip_grad_value_(params, clip_val)  # type: ignore[arg-type]
         return None
 

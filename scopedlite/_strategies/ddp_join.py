@@ -74,8 +74,8 @@ class DDPReplay:
     def active_count(self, count: int) -> None:
         pass  # output_scale reads the count
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
-        return self.strategy.clip_gradients(self.models[0], optimizer, max_norm, clip_val)
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(self.models[0], optimizer, max_norm, clip_val, norm_type=norm_type)
 
 
 def refuse_what_join_cannot_replay(

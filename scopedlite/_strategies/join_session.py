@@ -172,9 +172,9 @@ class ProcessGroupJoin:
     def barrier(self) -> None:
         self._open(_BARRIER)
 
-    def clip_gradients(self, module: Any, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
+    def clip_gradients(self, module: Any, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float = 2.0) -> Any:
         """Clipping that needs nothing of the ranks that have left."""
-        return self.strategy.clip_gradients(module, optimizer, max_norm, clip_val)
+        return self.strategy.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=norm_type)
 
 
 def _shape(header: torch.Tensor) -> list[int]:

@@ -70,9 +70,9 @@ _EVENT_NAMES = {OPT_STEP: "optimizer.step()", ZERO_NONE: "optimizer.zero_grad()"
 
 # Opener layout (float64, summed over ranks). The L* fields are the "leaving report": the
 # events a rank applied after its last round, sent once when it starts serving.
-_COUNT, _KIND, _SIG, _SIG2, _INDEX, _FLAG, _MASK, _NEED, _F0, _F1, _NEV, _LCOUNT, _LNEV, _LSIG, _LSIG2 = range(15)
+_COUNT, _KIND, _SIG, _SIG2, _INDEX, _FLAG, _MASK, _NEED, _F0, _F1, _NEV, _LCOUNT, _LNEV, _LSIG, _LSIG2, _NORM = range(16)
 _K = 6  # events carried per opener
-_EV = 15
+_EV = 16
 _EVV = _EV + _K
 _LEV = _EVV + _K
 _LEVV = _LEV + _K
@@ -116,7 +116,7 @@ class Replayer(Protocol):
         (1.0 where the strategy divides by the active count itself)."""
         ...
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
         """The strategy's own ``clip_gradients`` for ``optimizer``."""
         ...
 
@@ -257,12 +257,12 @@ class ReplayJoin(ProcessGroupJoin):
         lr = self._check_lr(optimizer) if optimizer is not None else 0.0
         self._announce(STEP, index=index, floats=(lr, 0.0))
 
-    def clip_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
+    def clip_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float = 2.0) -> Any:
         """``lite.clip_gradients`` inside the block: the joined ranks clip their shards too."""
         index = self._index_of_optimizer(optimizer)
         floats = (float(max_norm) if max_norm is not None else -1.0, float(clip_val) if clip_val is not None else -1.0)
-        self._announce(CLIP, index=index, flag=int(max_norm is not None), floats=floats)
-        return self.replayer.clip(optimizer, max_norm, clip_val)
+        self._announce(CLIP, index=index, flag=int(max_norm is not None), floats=floats, norm_type=norm_type)
+        return self.replayer.clip(optimizer, max_norm, clip_val, norm_type)
 
     def _announce_collective(self) -> None:
         self._announce(COLLECTIVE)
@@ -355,16 +355,16 @@ class ReplayJoin(ProcessGroupJoin):
         )
 
     # -- the opener --------------------------------------------------------------------------------
-    def _announce(self, kind: int, index: int = 0, flag: int = 0, mask: int = 0, floats: tuple[float, float] = (0.0, 0.0)) -> list[float]:
+    def _announce(self, kind: int, index: int = 0, flag: int = 0, mask: int = 0, floats: tuple[float, float] = (0.0, 0.0), norm_type: float = 2.0) -> list[float]:
         while len(self.pending) > _K:  # more local events than one opener carries
-            self._send(EVENTS, 0, 0, 0, (0.0, 0.0))
-        return self._send(kind, index, flag, mask, floats)
+            self._send(EVENTS, 0, 0, 0, (0.0, 0.0), 2.0)
+        return self._send(kind, index, flag, mask, floats, norm_type)
 
-    def _send(self, kind: int, index: int, flag: int, mask: int, floats: tuple[float, float]) -> list[float]:
+    def _send(self, kind: int, index: int, flag: int, mask: int, floats: tuple[float, float], norm_type: float) -> list[float]:
         events, self.pending = self.pending[:_K], self.pending[_K:]
         opener = [0.0] * _LENGTH  # built in Python: one tensor op instead of dozens per round
         opener[_COUNT], opener[_KIND], opener[_INDEX], opener[_FLAG], opener[_MASK] = 1.0, kind, index, flag, mask
-        opener[_F0], opener[_F1], opener[_NEV] = floats[0], floats[1], len(events)
+        opener[_F0], opener[_F1], opener[_NEV], opener[_NORM] = floats[0], floats[1], len(events), norm_type
         for k, (code, value) in enumerate(events):
             opener[_EV + k], opener[_EVV + k] = code, value
         sig = _signature(kind, index, flag, mask, [c for c, _ in events])
@@ -446,7 +446,7 @@ class ReplayJoin(ProcessGroupJoin):
                 first = False
             for code, value in events:
                 self._apply(code, value)
-            self._replay(kind, index, flag, mask, f0, f1, total)
+            self._replay(kind, index, flag, mask, f0, f1, total[_NORM] / count, total[_NEED])
 
     def _leaving_report(self, total: list[float]) -> list[tuple[int, float]]:
         leavers = float(total[_LCOUNT])
@@ -495,9 +495,9 @@ class ReplayJoin(ProcessGroupJoin):
                 "that finish early: call it after the `with lite.join(...)` block."
             )
 
-    def _replay(self, kind: int, index: int, flag: int, mask: int, f0: float, f1: float, total: list[float]) -> None:
+    def _replay(self, kind: int, index: int, flag: int, mask: int, f0: float, f1: float, norm_type: float, need: float) -> None:
         if kind == FORWARD:
-            if total[_NEED] > 0:
+            if need > 0:
                 example = self._exchange_example(index, None)
                 self.inputs.setdefault(index, example)
             args, kwargs = self.inputs[index]
@@ -514,7 +514,7 @@ class ReplayJoin(ProcessGroupJoin):
                 self._compare_lr(optimizer, f0)
             self.replayer.step(index)
         elif kind == CLIP:
-            self.replayer.clip(self.optimizers[index], f0 if flag else None, None if flag else f1)
+            self.replayer.clip(self.optimizers[index], f0 if flag else None, None if flag else f1, norm_type)
         elif kind == COLLECTIVE:
             self._shadow_ours()
         # EVENTS: the events were the round

@@ -68,8 +68,8 @@ class ScaledBackward:
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self.scaling.scale(loss).backward(*args, **kwargs)
 
-    def clip_gradients(self, module, optimizer, max_norm, clip_val):  # type: ignore[no-untyped-def]
+    def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         # Scaled gradients must be unscaled before their norm means anything. Under DDP they
         # are already averaged over ranks after backward: local clipping is global.
         self.scaling.unscale(optimizer)
-        return super().clip_gradients(module, optimizer, max_norm, clip_val)  # type: ignore[misc]
+        return super().clip_gradients(module, optimizer, max_norm, clip_val, norm_type)  # type: ignore[misc]

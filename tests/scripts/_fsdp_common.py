@@ -67,8 +67,11 @@ def train(
     return float(norm)
 
 
-def reference(kind: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, float]:
-    """One process, whole global batches: what 2 data-parallel ranks must compute."""
+def reference(
+    kind: str, seed: int = 0, norms: dict[str, float] | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, float]:
+    """One process, whole global batches: what 2 data-parallel ranks must compute.
+    ``norms``, if given, receives the inf- and 1-norms of the gradient that is clipped."""
     import contextlib
 
     torch.manual_seed(seed)
@@ -81,9 +84,15 @@ def reference(kind: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Op
         lambda s: (x[s], y[s]),
         lambda loss: loss.backward(),
         lambda _: contextlib.nullcontext(),
-        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP),
+        lambda: (_record_norms(model, norms), torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))[1],
     )
     return model, opt, norm
+
+
+def _record_norms(model: torch.nn.Module, norms: dict[str, float] | None) -> None:
+    if norms is not None:
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        norms.update(norm_inf=grads.abs().max().item(), norm_1=grads.abs().sum().item())
 
 
 def probe() -> torch.Tensor:

@@ -24,6 +24,8 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-m
         with lite.no_backward_sync(model, enabled=micro == 0):
             loss = torch.nn.functional.mse_loss(model(mine_x[sl]), mine_y[sl]) / 2
             lite.backward(loss)
+    norm_inf = lite.clip_gradients(model, opt, max_norm=1e9, norm_type="inf")  # no-op clip: only the norm
+    norm_1 = lite.clip_gradients(model, opt, max_norm=1e9, norm_type=1.0)
     norm = lite.clip_gradients(model, opt, max_norm=1e9)
     opt.step()
     opt.zero_grad()
@@ -50,6 +52,8 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-m
     result = {
         "params": after_step,
         "norm": float(norm),
+        "norm_inf": float(norm_inf),
+        "norm_1": float(norm_1),
         "dtype": dtype,
         "restored": restored,
         "rest": rest,

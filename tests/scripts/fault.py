@@ -1,7 +1,10 @@
 """Fault injection: one rank fails in one way at one point; rank 0 reports what it caught.
 
 argv: rank mode point
-  mode:  raise | kill (SIGKILL) | abort (SIGABRT) | sigterm (two SIGTERMs: a forced stop)
+  mode:  raise | kill (SIGKILL) | abort (SIGABRT) | sigterm (two SIGTERMs: a forced stop) |
+         kill_loader (SIGKILL of a rank whose DataLoader workers are running) |
+         exit0 (sys.exit(0): the rank leaves the block early) |
+         skip (the rank skips the last all_reduce and goes to the end of the block)
   point: init (right after launch) | forward (inside the model's forward) |
          collective (the others wait in an all_reduce) | save (while rank 0 saves)
 """
@@ -13,11 +16,16 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 import scopedlite as lite
 
 rank_to_fail, mode, point = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+TIMEOUT = 2 if mode == "skip" else 30  # a skipped collective is found by the timeout
+# With 2 ranks, only the killed rank's sockets can end rank 0's wait in a collective (with 3, the
+# third rank's, closed when it is stopped, would hide a rank whose sockets stay open).
+DEVICES = 2 if mode == "kill_loader" else 3
 marks = Path(os.environ["OUT"] + ".marks")
 marks.mkdir(exist_ok=True)
 
@@ -26,8 +34,10 @@ def fail() -> None:
     (marks / "fault").write_text(repr(time.time()))
     if mode == "raise":
         raise RuntimeError(f"injected fault on rank {lite.current().global_rank} at {point}")
-    if mode == "kill":
+    if mode in ("kill", "kill_loader"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "exit0":
+        sys.exit(0)
     if mode == "abort":
         os.abort()
     if mode == "sigterm":
@@ -39,9 +49,14 @@ def fail() -> None:
 
 outcome = {}
 try:
-    with lite.launch(strategy="ddp", devices=3, accelerator="cpu", timeout=30) as run:
+    with lite.launch(strategy="ddp", devices=DEVICES, accelerator="cpu", timeout=TIMEOUT) as run:
         me = run.global_rank
         (marks / f"pid{me}").write_text(str(os.getpid()))
+        if mode == "kill_loader" and me == rank_to_fail:  # its DataLoader workers hold its sockets
+            batches = iter(torch.utils.data.DataLoader(torch.arange(64.0), batch_size=8, num_workers=2))
+            next(batches)
+            for child in psutil.Process().children():
+                (marks / f"pid{me}-loader{child.pid}").write_text(str(child.pid))
         if point == "init" and me == rank_to_fail:
             fail()
         model = lite.setup(torch.nn.Linear(4, 1))
@@ -51,6 +66,9 @@ try:
             loss = model(torch.randn(8, 4)).sum()
             lite.backward(loss)
             if point == "collective":
+                if mode == "skip" and me == rank_to_fail and step == 2:
+                    (marks / "fault").write_text(repr(time.time()))
+                    break  # the others wait for it in this all_reduce
                 if me == rank_to_fail and step == 1:
                     time.sleep(0.2)
                     fail()
@@ -59,7 +77,8 @@ try:
             if me == rank_to_fail:
                 fail()
             lite.save(os.environ["OUT"] + ".ckpt", {"model": model})
-        time.sleep(5)  # a run that survives the fault would idle here, not finish
+        if mode != "skip" or me != rank_to_fail:
+            time.sleep(5)  # a run that survives the fault would idle here, not finish
     outcome["error"] = None
 except BaseException as e:  # noqa: BLE001 - report whatever came out
     caught = time.time()
@@ -71,5 +90,6 @@ except BaseException as e:  # noqa: BLE001 - report whatever came out
         "latency": None if fault is None else caught - fault,
     }
 outcome["pids"] = [int(p.read_text()) for p in marks.glob("pid*")]
+outcome["timeout"] = TIMEOUT
 with open(os.environ["OUT"], "w") as f:
     json.dump(outcome, f)

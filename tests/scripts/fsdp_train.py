@@ -72,7 +72,13 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", precision=prec
         lambda s: (x[s][rank::2], y[s][rank::2]),
         lite.backward,
         lambda enabled: lite.no_backward_sync(model, enabled=enabled),
-        lambda: lite.clip_gradients(model, opt, max_norm=0.05),
+        lambda: (
+            out.update(  # the whole gradient's inf- and 1-norms, not this rank's shard's (no-op clips)
+                norm_inf=float(lite.clip_gradients(model, opt, max_norm=1e9, norm_type=float("inf"))),
+                norm_1=float(lite.clip_gradients(model, opt, max_norm=1e9, norm_type=1)),
+            ),
+            lite.clip_gradients(model, opt, max_norm=0.05),
+        )[1],
     )
     out["params"] = params(unwrapped)
     out["params_rank1"] = lite.broadcast(params(unwrapped), src=1)

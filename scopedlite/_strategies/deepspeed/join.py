@@ -95,5 +95,5 @@ class DeepSpeedReplay:
     def active_count(self, count: int) -> None:
         self.count = count
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
-        return self.strategy.clip_gradients(None, optimizer, max_norm, clip_val)
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(None, optimizer, max_norm, clip_val, norm_type=norm_type)

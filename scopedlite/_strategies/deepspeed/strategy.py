@@ -279,7 +279,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         with filtered_warnings():
             engine.backward(loss)
 
-    def clip_gradients(self, module, optimizer, max_norm, clip_val):  # type: ignore[no-untyped-def]
+    def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         raise RuntimeError(
             "lite.clip_gradients is not available under strategy='deepspeed': the engine clips "
             "inside optimizer.step(), by total norm, from its config. Remove the call and "

@@ -103,5 +103,5 @@ class FSDPReplay:
         for module in self._fsdp_modules():
             module.set_gradient_divide_factor(float(count))
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None) -> Any:
-        return self.strategy.clip_gradients(self.roots[0], optimizer, max_norm, clip_val)
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(self.roots[0], optimizer, max_norm, clip_val, norm_type=norm_type)

@@ -11,6 +11,7 @@ later fills each shard with exactly the values an unsharded build with the same 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import weakref
 from pathlib import Path
@@ -248,7 +249,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         return optimizer
 
     # -- per step -------------------------------------------------------------------------
-    def clip_gradients(self, module, optimizer, max_norm, clip_val):  # type: ignore[no-untyped-def]
+    def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -256,12 +257,28 @@ class FSDPStrategy(ProcessGroupStrategy):
             torch.nn.utils.clip_grad_value_(params, clip_val)
             return None
         # Each rank holds a slice of every gradient: the norm of the slices is partial and
-        # must be reduced over all ranks before it is used.
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+        # must be reduced over all ranks before it is used (DTensor reduces a p-norm as a
+        # p-norm: the p-th root of the sum of p-th powers).
+        if norm_type == math.inf:
+            total = self._max_abs_gradient([p.grad for p in params], DTensor)
+        else:
+            total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+            if isinstance(total, DTensor):
+                total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    def _max_abs_gradient(self, grads: list[torch.Tensor], dtensor: type) -> torch.Tensor:
+        """The inf-norm of gradients sharded over the ranks: the largest local absolute value,
+        then the largest over all ranks. torch's own inf-norm fails on a rank whose shard of a
+        small parameter is empty ("cannot compute the infinity norm on an empty tensor")."""
+        local = [g.to_local() if isinstance(g, dtensor) else g for g in grads]
+        found = [t.detach().abs().max().float() for t in local if t.numel()]
+        device = grads[0].device if grads else self.placement.device
+        part = torch.stack(found).max() if found else torch.zeros((), device=device)
+        if self.placement.world_size > 1:
+            part = self.all_reduce(part, "max")
+        return part
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule
