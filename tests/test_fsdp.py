@@ -72,8 +72,9 @@ def test_sharded_init_equals_a_plain_build_halves_storage_and_trains_like_one_pr
     assert "Bare owns parameters or buffers but has no reset_parameters()" in out["bare_error"]
     assert "sharded_init(empty=True)" in out["bare_error"]
 
-    # join refused with the strategies that support it
-    assert "not available under strategy='fsdp'" in out["join_error"] and "'ddp'" in out["join_error"]
+    # join refuses a model that was not set up, naming the fix
+    assert "lite.join takes the models returned by lite.setup" in out["join_error"]
+    assert "`model = lite.setup(model)`" in out["join_error"]
 
     # sharded save -> train on -> load restores the outputs exactly
     assert out["probe_after_step"] != out["probe_at_save"]

@@ -6,6 +6,7 @@ against a single-process replay of the same data and sharding.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import batches, make_data, reference_training, shards  # noqa: E402
+from _common import batches, make_data, make_model, reference_training, shards  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,3 +129,129 @@ def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(scri
     assert rank1["1"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception")
     # the abort round kept the ranks in step: the next collective is a collective again
     assert rank0["after"] == rank1["after"] == 40.0
+
+
+# -- every strategy over a process group: lockstep zero-weighted replay ---------------------------
+
+# (ranks, batches per rank, divide_by_initial_world_size, optimizer, max_norm)
+TWO = (2, "5,3", True, "adamw", 0.5)
+THREE = (3, "5,3,0", False, "sgd", 0.5)  # rank 2 has no batch at all
+# "accumulate": each batch as two micro-batches, the first in lite.no_backward_sync (the same
+# gradient, so the same reference); DeepSpeed accumulates by its config instead.
+REPLAY_CASES = [
+    ("fsdp", TWO, ""),
+    ("fsdp", THREE, "accumulate"),
+    ("deepspeed_stage_3", TWO, ""),
+    ("deepspeed_stage_3_offload", THREE, ""),  # optimizer and parameters offloaded to the CPU
+    ("deepspeed_stage_2", TWO, ""),
+    ("deepspeed_stage_1", THREE, ""),
+]
+DDP_EXTRA = {TWO: "", THREE: "accumulate"}
+_ddp_runs: dict[tuple, list] = {}
+
+
+def _replay_reference(counts, divide, kind, max_norm, batch=2):
+    """One process: per step, the active ranks' mean-loss gradients summed and divided by the
+    world size (or the active count), clipped by global norm, then step, scheduler, zero_grad;
+    two epochs over the same per-rank batches (the script's loop)."""
+    model = make_model()
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    x, y = make_data(batch * sum(counts)).tensors
+    starts = [sum(counts[:r]) for r in range(len(counts))]
+    for _ in range(2):
+        for step in range(max(counts)):
+            active = [r for r in range(len(counts)) if step < counts[r]]
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for r in active:
+                b = starts[r] + step
+                model.zero_grad()
+                torch.nn.functional.mse_loss(model(x[batch * b : batch * (b + 1)]), y[batch * b : batch * (b + 1)]).backward()
+                for t, p in zip(total, model.parameters()):
+                    t += p.grad
+            for t, p in zip(total, model.parameters()):
+                p.grad = t / (len(counts) if divide else len(active))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        sse = torch.nn.functional.mse_loss(model(x), y, reduction="sum").item()
+    return _flat([p.detach().flatten().tolist() for p in model.parameters()]), opt.param_groups[0]["lr"], sse, len(x)
+
+
+def _replay_run(script, strategy, config, *extra):
+    ranks, counts, divide, kind, max_norm = config
+    result = script("join_sharded", strategy, ranks, counts, int(divide), kind, max_norm, *[e for e in extra if e], timeout=150)
+    assert result.returncode == 0, result.explain()
+    return result.json()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("strategy", "config", "extra"), REPLAY_CASES, ids=lambda v: v if isinstance(v, str) else f"{v[0]}ranks-{v[1]}")
+def test_join_trains_like_ddp_and_one_process_under_sharded_strategies(script, strategy, config, extra):
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    ranks_, counts_text, divide, kind, max_norm = config
+    counts = [int(c) for c in counts_text.split(",")]
+    ranks = _replay_run(script, strategy, config, extra)
+    if config not in _ddp_runs:  # the same script under ddp, once per configuration
+        _ddp_runs[config] = _replay_run(script, "ddp", config, DDP_EXTRA[config])
+    ddp = _ddp_runs[config]
+    params, lr, sse, n = _replay_reference(counts, divide, kind, max_norm)
+
+    for r in ranks:
+        # training: every rank ends with the same parameters, those of ddp and one process
+        assert _flat(r["params"]) == pytest.approx(params, abs=1e-5)
+        assert _flat(r["params"]) == pytest.approx(_flat(ddp[r["rank"]]["params"]), abs=1e-5)
+        assert r["lr"][-1] == pytest.approx(lr, rel=1e-12)  # the scheduler was mirrored
+        # each rank ran its own batches only, in both epochs
+        assert len(r["steps"]) == 2 * counts[r["rank"]]
+        # collectives before the forward and between forward and backward: active ranks only
+        for i, step in enumerate(r["steps"]):
+            s = i % counts[r["rank"]]
+            active = [q for q in range(ranks_) if s < counts[q]]
+            assert step["active"] == len(active)
+            peers = [ranks[q]["steps"][step["epoch"] * counts[q] + s]["local"] for q in active]
+            assert step["sum"] == pytest.approx(sum(peers), rel=1e-5)
+        # no_grad evaluation inside join: every sample once, the one-process metric
+        assert r["metric"][1] == n
+        assert r["metric"][0] == pytest.approx(sse, rel=1e-5)
+
+
+def test_a_replay_that_does_not_mirror_the_optimizer_step_is_caught(script):
+    """The control: joined ranks that skip optimizer.step end far from the reference."""
+    config = THREE
+    counts = [int(c) for c in config[1].split(",")]
+    ranks = _replay_run(script, "fsdp", config, "nostep")
+    params, _, _, _ = _replay_reference(counts, config[2], config[3], config[4])
+    assert max(abs(a - b) for a, b in zip(_flat(ranks[0]["params"]), params)) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_3"])
+def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_replay_refusals", strategy, "batched", timeout=90)
+    assert result.returncode == 0, result.explain()
+    for errors in result.json():  # every rank raised, together: nobody hangs
+        assert errors["plain"].startswith("TypeError") and "lite.setup(model" in errors["plain"] and "not set up in this run" in errors["plain"]
+        assert errors["lr_by_hand"].startswith("RuntimeError") and "changed from 0.1 to 0.5" in errors["lr_by_hand"]
+        assert "LR scheduler" in errors["lr_by_hand"]
+        assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
+        assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
+        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
+        if strategy == "fsdp":  # deepspeed refuses lite.clip_gradients altogether
+            assert errors["unknown_optimizer"].startswith("ValueError") and "not set up in this run" in errors["unknown_optimizer"]
+        assert errors["after"] == 2
+
+
+def test_a_scheduler_stepped_after_the_loop_inside_join_is_an_error_not_a_hang(script):
+    result = script("join_replay_refusals", "fsdp", "sched_after_loop", timeout=90)
+    assert result.returncode == 1, result.explain()
+    assert "rank 1 raised RuntimeError: Inside lite.join a rank that ran out of data did" in result.stderr
+    assert "after the loop but inside the join block" in result.stderr
+    assert result.seconds < 40

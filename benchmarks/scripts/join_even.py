@@ -1,9 +1,11 @@
 """Per-step cost of ``lite.join`` when it has nothing to do (every rank has the same data).
 
-argv: OUT WARMUP STEPS BLOCKS. One launch, one model; each block runs one epoch of
-WARMUP + STEPS steps without join, one inside ``with lite.join(model):`` and one inside
-torch's own ``Join([model])`` (to tell torch's per-step cost of join mode apart from ours),
-the order rotating from block to block so slow drift of the machine hits all alike.
+argv: OUT WARMUP STEPS BLOCKS [STRATEGY]. One launch, one model; each block runs one epoch of
+WARMUP + STEPS steps without join, one inside ``with lite.join(model):`` and, under ``ddp``
+(the default), one inside torch's own ``Join([model])`` (to tell torch's per-step cost of join
+mode apart from ours), the order rotating from block to block so slow drift of the machine
+hits all alike. Under ``fsdp`` or ``deepspeed_stage_3`` torch's ``Join`` has nothing to offer
+(it hangs on uneven data there), so only the first two modes run.
 Rank 0 writes the step times of every block to OUT.
 """
 
@@ -18,16 +20,17 @@ import scopedlite as lite
 from workload import BATCH, make_dataset, make_model, make_optimizer, train_timed, write_result
 
 out, warmup, steps, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+strategy = sys.argv[5] if len(sys.argv) > 5 else "ddp"
 
-with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
+with lite.launch(strategy=strategy, devices=2, accelerator="cpu") as run:
     dataset = make_dataset((warmup + steps) * BATCH * run.world_size)
     model = make_model()
     model, opt = lite.setup(model, make_optimizer(model))
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True))
-    modes = ("plain", "join", "torch_join")
-    record: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    modes = ("plain", "join", "torch_join") if strategy == "ddp" else ("plain", "join")
+    record: dict[str, list[list[float]]] = {mode: [] for mode in ("plain", "join", "torch_join")}
     for block in range(blocks):
-        for mode in modes[block % 3 :] + modes[: block % 3]:
+        for mode in modes[block % len(modes) :] + modes[: block % len(modes)]:
             lite.barrier()
             if mode == "join":
                 with lite.join(model):

@@ -1,6 +1,6 @@
 """``lite.join``: ranks may run out of data at different times without hanging.
 
-The scope asks the run's strategy for a join session (see scopedlite._strategies.join_session). While
+The scope asks the run's strategy for a join session (see scopedlite._strategies.replay). While
 it is open, the distributed sampler of ``setup_dataloader`` stops padding, and our
 collectives route through the session so they stay correct on the ranks still active.
 """
@@ -60,16 +60,21 @@ class _JoinScope(WrapperScope[None]):
 def join(*joinables: Any, divide_by_initial_world_size: bool = True) -> _JoinScope:
     """Let ranks iterate over different numbers of batches: ``with lite.join(model):``.
 
-    Under DDP this is torch's join protocol for the given models (all models set up in the
-    run when none are given), extended so that ``lite.all_reduce`` & co. stay correct after
-    some ranks ran out of data: a reduction covers exactly the ranks still active (a mean
-    divides by their count), ``all_gather`` returns the rows of the active ranks only, in
-    rank order, and ``barrier``/``broadcast`` complete. The distributed sampler of
+    Under ``ddp``, ``fsdp`` and ``deepspeed`` (stages 1-3) a rank that has run out of data
+    keeps taking part in the collectives of the ranks still active - it replays their
+    forwards and backwards with zero weight and mirrors their optimizer and scheduler steps -
+    so training stays correct and every rank ends with the same parameters. ``lite.all_reduce``
+    & co. stay correct anywhere in the loop: a reduction covers exactly the ranks still active
+    (a mean divides by their count), ``all_gather`` returns the rows of the active ranks only,
+    in rank order, and ``barrier``/``broadcast`` complete. The distributed sampler of
     ``setup_dataloader`` neither pads nor drops inside the block, so every sample is seen
-    exactly once. On one device it does nothing.
+    exactly once. On one device it does nothing. What a joined rank cannot mirror (a learning
+    rate changed by hand, a loss built from several forwards, ...) raises; see
+    docs/uneven-data.md.
 
     Args:
-        *joinables: Models returned by ``lite.setup`` (or other torch ``Joinable`` objects).
+        *joinables: Models returned by ``lite.setup`` (all models set up in the run when none
+            are given).
         divide_by_initial_world_size: Average gradients over all ranks (True: joined ranks
             count as contributing zero) or over the ranks still active (False).
     """

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from scopedlite._api.current import current
+from scopedlite._api.join import active_session
 from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsJointSetup, SupportsModelBackward
@@ -163,7 +164,11 @@ def clip_gradients(
             f"norm_type={norm_type!r} applies to clipping by norm (max_norm=), but clip_val= "
             "clips each value. Pass max_norm= instead of clip_val=, or leave norm_type out."
         )
-    return current().strategy.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=p)
+    run = current()
+    session = active_session(run) if run.world_size > 1 else None
+    # Inside lite.join the session clips: under sharding, ranks that ran out of data clip too.
+    target = session if session is not None else run.strategy
+    return target.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=p)
 
 
 def _norm_type(norm_type: object) -> float:

@@ -11,8 +11,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.base import Rendezvous
-from scopedlite._strategies.join_session import ProcessGroupJoin
+from scopedlite._strategies.ddp_join import DDPReplay, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.replay import ReplayJoin
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
 
@@ -112,5 +113,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
         modules = tuple(m for m in (ref() for ref in self._modules) if m is not None)
         optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
-        return ProcessGroupJoin(self, joinables or modules, optimizers, divide_by_initial_world_size)
+        models = tuple(joinables) or modules
+        refuse_what_join_cannot_replay(models, modules, optimizers)
+        replayer = DDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
+        return ReplayJoin(self, replayer, models, optimizers, divide_by_initial_world_size)
 

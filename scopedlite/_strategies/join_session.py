@@ -2,39 +2,34 @@
 
 ``NoJoin`` (one process): nothing.
 
-``ProcessGroupJoin`` (DDP, and any strategy whose ranks share one process group): torch's
-join protocol for the user's joinables, extended so that our own collectives stay correct
-after ranks run out of data. Each round of the protocol starts with a one-element all-reduce:
-active ranks contribute a code, ranks that have left the block contribute zero.
+``ProcessGroupJoin``: the part of the join session every strategy over one process group
+shares - our collectives stay correct after ranks run out of data. The session itself, with
+its rounds and the per-strategy replay of forwards, backwards and optimizer steps, is
+``ReplayJoin`` (``replay.py``); this base holds what a round of one of our collectives does
+once it has been announced:
 
-- A DDP forward sends torch's own notification (1 per active rank), so the sum is at most
-  the world size; joined ranks then run the joinables' hooks (DDP shadows its forward and
-  backward collectives), exactly as ``torch.distributed.algorithms.join.Join`` does.
-- One of our collectives sends ``world_size + 1`` per active rank, so the sum exceeds the
-  world size; then every rank all-gathers a small header (active flag, kind, op, dtype,
-  shape, source), and joined ranks take part in the payload with a neutral value: zero for
-  sums and means, -inf/+inf (or the dtype's limits) for max/min. A mean divides by the
-  number of active ranks, which the headers tell.
-- A sum of zero means every rank has joined: the joinables' post-hooks run and the block ends.
+- every rank all-gathers a small header (active flag, kind, op, dtype, shape, source), the
+  active ranks check that they asked for the same thing, and ranks that have left take part
+  in the payload with a neutral value: zero for sums and means, -inf/+inf (or the dtype's
+  limits) for max/min, rows that are dropped for gathers. A mean divides by the number of
+  active ranks, which the headers tell.
 
 Because a joined rank learns from each round what comes next, our collectives may sit
-anywhere in the loop (before the forward, after the backward, several per step) and a rank
-with no batch at all works too. torch's Join alone gets these wrong (see BACKENDS.md).
+anywhere in the loop and a rank with no batch at all works too. torch's Join alone gets these
+wrong (see BACKENDS.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import sys
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable
-from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._comm.wire import (
     DTYPES,
@@ -45,16 +40,11 @@ from scopedlite._comm.wire import (
     to_bytes,
     wire_dtype,
 )
-from scopedlite._private.torch_internals import (
-    joinables_configured,
-    no_sync_when_grad_disabled,
-    settle_bucket_rebuild,
-)
 
 if TYPE_CHECKING:
     from scopedlite._strategies.base import Strategy
 
-__all__ = ["NoJoin", "ProcessGroupJoin"]
+__all__ = ["ABORT", "NoJoin", "PEER_LEFT", "PeerLeftJoinError", "ProcessGroupJoin", "refuse_raw_collectives"]
 
 _REDUCE, _GATHER, _BROADCAST, _BARRIER = 1, 2, 3, 4
 _OPS = ("sum", "mean", "max", "min")
@@ -64,9 +54,9 @@ _HEADER = 15
 _PAYLOAD_TENSOR, _PAYLOAD_BYTES = 1, 2
 
 
-# An opener no sum of active (world_size + 1 or 1) and joined (0) ranks can reach.
-_ABORT = -1.0e6
-_PEER_LEFT = (
+# An opener count no sum of active (1) and joined (0) ranks can reach: a rank left by an exception.
+ABORT = -1.0e6
+PEER_LEFT = (
     "Another rank left lite.join by an exception (its own error says which and why), so the "
     "ranks can no longer run the block's collectives together. This rank stops here too; "
     "end the run, or leave the launch block, rather than continue the loop."
@@ -82,85 +72,21 @@ class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
 
 
 class ProcessGroupJoin:
-    """Uneven inputs over one process group: torch's joinables plus our collectives."""
+    """Our collectives inside a join session over one process group.
 
-    def __init__(
-        self,
-        strategy: Strategy,
-        joinables: tuple[Any, ...],
-        optimizers: tuple[torch.optim.Optimizer, ...],
-        divide_by_initial_world_size: bool,
-    ) -> None:
-        _refuse_what_join_cannot_survive(joinables, optimizers)
-        self.strategy = strategy
-        self.joinables = joinables
-        self.divide = divide_by_initial_world_size
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.device = strategy.comm_device
-        self.code = float(self.world_size + 1)
-        self._stack = contextlib.ExitStack()
+    A subclass announces each of our collectives to the ranks that have left
+    (:meth:`_announce_collective`) and, on those ranks, calls :meth:`_shadow_ours` when one
+    was announced.
+    """
 
-    # -- the block ---------------------------------------------------------------------------
-    def __enter__(self) -> ProcessGroupJoin:
-        if self.joinables:
-            # torch's join mode for the joinables; its serving loop is replaced by `_serve`.
-            self._stack.enter_context(joinables_configured(self.joinables, self.divide))
-        self._stack.enter_context(_refuse_raw_collectives())
-        self.hooks = [j.join_hook(divide_by_initial_world_size=self.divide) for j in self.joinables]
-        for joinable in self.joinables:
-            if isinstance(joinable, DistributedDataParallel):
-                settle_bucket_rebuild(joinable)
-                self._stack.enter_context(no_sync_when_grad_disabled(joinable))
-        return self
+    strategy: Strategy
+    world_size: int
+    rank: int
+    device: torch.device
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            if exc_type is None:
-                self._serve()
-            elif isinstance(exc, Exception) and not isinstance(exc, PeerLeftJoinError):
-                self._abort_round()
-        finally:
-            self._stack.close()
-
-    def _abort_round(self) -> None:
-        """Tell the other ranks that this one leaves the block by an exception.
-
-        They wait in the join protocol (or will, at their next collective of ours) for a round
-        this rank would never open; were it to catch the exception and go on, its next
-        collective would be taken for one of the protocol's. One opener with a negative code
-        makes every rank that reads it raise :class:`PeerLeftJoinError`, and leaves all of
-        them in step: each took part in exactly one round.
-        """
-        try:
-            dist.all_reduce(torch.full((1,), _ABORT, device=self.device))
-        except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
-            pass
-
-    def _serve(self) -> None:
-        """Shadow the active ranks' collectives until every rank has joined."""
-        is_last_joiner = True
-        while True:
-            opener = torch.zeros(1, device=self.device)
-            dist.all_reduce(opener)
-            total = round(opener.item())
-            if total < 0:
-                raise PeerLeftJoinError(_PEER_LEFT)
-            if total == 0:
-                break
-            is_last_joiner = False
-            if total > self.world_size:
-                self._shadow_ours()
-            else:
-                for hook in self.hooks:
-                    hook.main_hook()
-        for hook in self.hooks:
-            hook.post_hook(is_last_joiner)
+    def _announce_collective(self) -> None:
+        """Open a round that one of our collectives follows."""
+        raise NotImplementedError
 
     def _shadow_ours(self) -> None:
         headers = self._exchange_headers(torch.zeros(_HEADER, dtype=torch.int64))
@@ -186,10 +112,7 @@ class ProcessGroupJoin:
 
     # -- our collectives on an active rank -------------------------------------------------------
     def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
-        opener = torch.full((1,), self.code, device=self.device)
-        dist.all_reduce(opener)
-        if opener.item() < 0:
-            raise PeerLeftJoinError(_PEER_LEFT)
+        self._announce_collective()
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[_H_ACTIVE], header[_H_KIND], header[_H_OP] = 1, kind, _OPS.index(op)
         header[_H_SRC], header[_H_PAYLOAD] = src, payload
@@ -266,6 +189,10 @@ class ProcessGroupJoin:
     def barrier(self) -> None:
         self._open(_BARRIER)
 
+    def clip_gradients(self, module: Any, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float = 2.0) -> Any:
+        """Clipping that needs nothing of the ranks that have left."""
+        return self.strategy.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=norm_type)
+
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
@@ -275,6 +202,14 @@ _RAW_COLLECTIVES = (
     "barrier", "monitored_barrier",
 )
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# DeepSpeed's engine talks to torch.distributed from its own files (deepspeed.comm); found
+# without importing it.
+_DEEPSPEED_SPEC = importlib.util.find_spec("deepspeed")
+_DEEPSPEED_DIR = (
+    os.path.dirname(os.path.abspath(_DEEPSPEED_SPEC.origin)) + os.sep
+    if _DEEPSPEED_SPEC is not None and _DEEPSPEED_SPEC.origin
+    else _TORCH_DIR
+)
 # The scopedlite package (this file is in scopedlite/_strategies/).
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
@@ -283,7 +218,7 @@ _EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gath
 
 
 @contextlib.contextmanager
-def _refuse_raw_collectives() -> Any:
+def refuse_raw_collectives() -> Any:
     """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
     scopedlite raises at once instead of hanging.
 
@@ -311,7 +246,7 @@ def _guarded(name: str, original: Any) -> Any:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
         path = os.path.abspath(caller.f_code.co_filename)
-        if not path.startswith((_TORCH_DIR, _OUR_DIR)):
+        if not path.startswith((_TORCH_DIR, _OUR_DIR, _DEEPSPEED_DIR)):
             ours = _EQUIVALENT.get(name)
             instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
             raise RuntimeError(
@@ -342,33 +277,3 @@ def _describe(header: torch.Tensor) -> str:
     if kind == "broadcast":
         return f"broadcast(src={int(header[_H_SRC])})"
     return kind
-
-
-def _refuse_what_join_cannot_survive(joinables: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    from torch.distributed.optim import (
-        ZeroRedundancyOptimizer,  # lazy: ~0.25 s to import
-    )
-
-    for joinable in joinables:
-        if not isinstance(joinable, Joinable):
-            raise TypeError(
-                f"lite.join takes the models returned by lite.setup (or torch Joinables), got a "
-                f"{type(joinable).__name__}. Use `model = lite.setup(model)` and then "
-                "`with lite.join(model):`."
-            )
-    for obj in (*joinables, *optimizers):
-        if isinstance(obj, ZeroRedundancyOptimizer):
-            raise ValueError(
-                "lite.join cannot be used with torch's ZeroRedundancyOptimizer: its join hook "
-                "steps the joined ranks with stale gradients and the run ends with identical "
-                "but wrong parameters. Use a plain optimizer under strategy='ddp', or shard "
-                "optimizer state with strategy='fsdp' / 'deepspeed'."
-            )
-    for joinable in joinables:
-        if isinstance(joinable, DistributedDataParallel) and getattr(joinable, "static_graph", False):
-            raise ValueError(
-                "lite.join cannot be used with DDP's static_graph=True: with uneven inputs "
-                "torch aborts the process (gloo SIGABRT) when a rank has no batch or unused "
-                "parameters are searched. Use lite.DDPStrategy(static_graph=False) for runs "
-                "with uneven inputs."
-            )

@@ -1,7 +1,7 @@
 """ZeRO-3: sharded_init partitions parameters as they are built; save -> train on -> load
 restores outputs exactly (model and optimizer state); the checkpoint consolidates to one fp32
-state dict; join and setup_optimizers are refused with the reason (clip_gradients and
-no_backward_sync work: tests/test_one_script.py).
+state dict; join over a training and an evaluation engine at once and setup_optimizers are
+refused with the reason (clip_gradients and no_backward_sync work: tests/test_one_script.py).
 
 argv: checkpoint_dir
 """
@@ -92,7 +92,7 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
     train(7)  # lite.backward still finds the one engine that trains
 
     refusals = {
-        "join": refused(lambda: lite.join(model).__enter__()),
+        "join": refused(lambda: lite.join(model, evaluator).__enter__()),
         "setup_optimizers": refused(lambda: lite.setup_optimizers(torch.optim.SGD(make_wide().parameters(), lr=0.1))),
     }
     result = {

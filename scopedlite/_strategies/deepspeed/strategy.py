@@ -40,12 +40,14 @@ from scopedlite._strategies.deepspeed.engines import (
     warn_shadowed,
 )
 from scopedlite._strategies.deepspeed.install import import_deepspeed
+from scopedlite._strategies.deepspeed.join import DeepSpeedReplay
 from scopedlite._strategies.deepspeed.logs import (
     Discard,
     filtered_warnings,
     quiet_deepspeed,
 )
 from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.replay import ReplayJoin
 from scopedlite._strategies.reroute import reroute_step
 
 if TYPE_CHECKING:
@@ -342,6 +344,27 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 f"{type(module).__name__}. Use `model, opt = lite.setup(model, opt)` first."
             )
         return module
+
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplayJoin:
+        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/replay.py``)."""
+        for joinable in joinables:
+            if not any(joinable is engine for engine in self._engines):
+                raise TypeError(
+                    f"lite.join takes the models returned by lite.setup, got a "
+                    f"{type(joinable).__name__} that was not set up in this run. Use "
+                    "`model, opt = lite.setup(model, opt)` and then `with lite.join(model):`."
+                )
+        engines = tuple(joinables) or tuple(self._engines)
+        optimizers = tuple(getattr(engine, "_lite_user_optimizer", None) for engine in engines)
+        if any(o is None for o in optimizers) and not all(o is None for o in optimizers):
+            raise ValueError(
+                "lite.join under strategy='deepspeed' takes either models set up with their "
+                "optimizer (training) or models set up alone (evaluation), not both at once. "
+                "Use one join block for each."
+            )
+        known = tuple(o for o in optimizers if o is not None)
+        replayer = DeepSpeedReplay(self, engines, divide_by_initial_world_size, self.placement.world_size)
+        return ReplayJoin(self, replayer, engines, known, divide_by_initial_world_size)
 
     # -- checkpoints: the engine's sharded directory (see checkpoint.py) ------------------
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

@@ -28,7 +28,9 @@ from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.methods import gather_for_user_methods
+from scopedlite._strategies.fsdp.join import FSDPReplay
 from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.replay import ReplayJoin
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -141,6 +143,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         # it (weak: a model the user drops is released, its parameters with it)
         self._replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[torch.nn.Parameter]]] = {}
         self._modules: list[weakref.ref[torch.nn.Module]] = []
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # in setup order, for join
 
     # -- building and sharding ------------------------------------------------------------
     def module_init_context(self, empty: bool) -> ContextManager[Any]:
@@ -254,6 +257,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
         for params, position, new in swaps:
             params[position] = new
+        self._optimizers.append(weakref.ref(optimizer))
         return optimizer
 
     # -- per step -------------------------------------------------------------------------
@@ -297,6 +301,21 @@ class FSDPStrategy(ProcessGroupStrategy):
                 f"{type(module).__name__}. Use `model = lite.setup(model)` first."
             )
         return _without_gradient_sync(module) if enabled else contextlib.nullcontext()
+
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplayJoin:
+        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/replay.py``)."""
+        modules = [m for m in (ref() for ref in self._modules) if m is not None]
+        for joinable in joinables:
+            if not any(joinable is m for m in modules):
+                raise TypeError(
+                    f"lite.join takes the models returned by lite.setup, got a "
+                    f"{type(joinable).__name__} that was not set up in this run. Use "
+                    "`model = lite.setup(model)` and then `with lite.join(model):`."
+                )
+        roots = tuple(joinables) or tuple(modules)
+        optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
+        replayer = FSDPReplay(self, roots, divide_by_initial_world_size, dist.get_world_size())
+        return ReplayJoin(self, replayer, roots, optimizers, divide_by_initial_world_size)
 
     # -- checkpoints ----------------------------------------------------------------------
     def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:

@@ -1,0 +1,99 @@
+"""The DeepSpeed side of ``lite.join``: hooks and replays for the replay session (see replay.py).
+
+DeepSpeed's public engine methods are wrapped on the instance for the block:
+
+- ``engine.forward`` announces the forward before the engine runs (ZeRO-3 gathers parameters
+  inside it) and wraps the outputs so that their backward is announced too;
+- ``engine.step`` announces a round of its own: ZeRO's step is collective (gradient-norm and
+  overflow all-reduces, the all-gather of updated partitions), so a joined rank must step too;
+- ``engine.backward`` scales the loss by ``world_size / active`` when
+  ``divide_by_initial_world_size=False``: DeepSpeed always averages over the world and has no
+  setter for the divisor.
+
+A joined rank replays the backward as ``engine.backward`` of a zero-weighted sum of the
+outputs the active ranks' loss used, so every hook and reduction of the engine runs as on the
+active ranks, with a zero contribution. ``zero_grad`` is the engine's business (it zeroes after
+each step) and ``lite.clip_gradients`` is refused by the strategy: clipping is the engine's
+``gradient_clipping``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scopedlite._strategies.deepspeed.logs import filtered_warnings
+from scopedlite._strategies.replay import wrap_method
+
+if TYPE_CHECKING:
+    from scopedlite._strategies.deepspeed.strategy import DeepSpeedStrategy
+    from scopedlite._strategies.replay import ReplayJoin
+
+__all__ = ["DeepSpeedReplay"]
+
+
+class DeepSpeedReplay:
+    """Hooks and replays of DeepSpeed engines for :class:`~scopedlite._strategies.replay.ReplayJoin`."""
+
+    records_steps = False
+
+    def __init__(self, strategy: DeepSpeedStrategy, engines: tuple[Any, ...], divide_by_initial_world_size: bool, world_size: int) -> None:
+        self.strategy = strategy
+        self.engines = engines
+        self.divide = divide_by_initial_world_size
+        self.world_size = world_size
+        self.count = world_size
+
+    def install(self, session: ReplayJoin) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for index, engine in enumerate(self.engines):
+            forward, backward, step = engine.forward, engine.backward, engine.step
+
+            def announced_forward(*args: Any, index: int = index, forward: Any = forward, **kwargs: Any) -> Any:
+                session.before_forward(index, args, kwargs)
+                return session.after_forward(index, forward(*args, **kwargs))
+
+            def scaled_backward(loss: torch.Tensor, *args: Any, backward: Any = backward, **kwargs: Any) -> Any:
+                if not self.divide and not session.serving and self.count != self.world_size:
+                    loss = loss * (self.world_size / self.count)
+                return backward(loss, *args, **kwargs)
+
+            def announced_step(*args: Any, index: int = index, step: Any = step, **kwargs: Any) -> Any:
+                session.before_step(index)
+                return step(*args, **kwargs)
+
+            wrap_method(stack, engine, "forward", announced_forward)
+            wrap_method(stack, engine, "backward", scaled_backward)
+            wrap_method(stack, engine, "step", announced_step)
+        return stack
+
+    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
+        return self.engines[index](*args, **kwargs)
+
+    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
+        if not outputs:
+            return
+        zero = sum((t.float() * 0).sum() for t in outputs)
+        with filtered_warnings():
+            self.engines[index].backward(zero)
+
+    def step(self, index: int) -> None:
+        # Through the user's optimizer, as on the active ranks: its step is rerouted to the
+        # engine, and the engine's own call back into it must reach the real step.
+        engine = self.engines[index]
+        optimizer = getattr(engine, "_lite_user_optimizer", None)
+        (optimizer if optimizer is not None else engine).step()
+
+    def sync_flag(self, index: int) -> bool:
+        return True  # DeepSpeed has no no_backward_sync: it accumulates by its config
+
+    def output_scale(self, count: int) -> float:
+        return 1.0  # the divisor is set by scaling the loss in engine.backward
+
+    def active_count(self, count: int) -> None:
+        self.count = count
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(None, optimizer, max_norm, clip_val, norm_type=norm_type)

@@ -1,0 +1,107 @@
+"""The FSDP2 side of ``lite.join``: hooks and replays for the replay session (see replay.py).
+
+- Forward: a pre-hook on each root, registered *prepended* and after ``fully_shard`` (FSDP2
+  prepends its own all-gather hook; a hook behind it would meet the all-gather on a joined
+  rank), announces the forward; a forward hook wraps the outputs so that their backward is
+  announced too.
+- Backward on a joined rank: ``torch.autograd.backward`` through the outputs the active ranks'
+  loss used, with zero gradients, under the same gradient-sync flag (tracked by wrapping the
+  public ``set_requires_gradient_sync`` on the root, which ``lite.no_backward_sync`` calls).
+- ``optimizer.step``/``zero_grad`` have no collectives under FSDP2: they are events.
+- ``divide_by_initial_world_size=False``: every FSDP module divides the reduced gradients by
+  the number of active ranks (``set_gradient_divide_factor``); gloo has no PREMUL_SUM, so the
+  reduction is forced to a plain sum followed by that division. After the block the factor is
+  the world size again (the same mean as FSDP2's default, computed as sum then divide).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scopedlite._strategies.replay import wrap_method
+
+if TYPE_CHECKING:
+    from scopedlite._strategies.fsdp.strategy import FSDPStrategy
+    from scopedlite._strategies.replay import ReplayJoin
+
+__all__ = ["FSDPReplay"]
+
+
+class FSDPReplay:
+    """Hooks and replays of FSDP2 roots for :class:`~scopedlite._strategies.replay.ReplayJoin`."""
+
+    records_steps = True
+
+    def __init__(self, strategy: FSDPStrategy, roots: tuple[torch.nn.Module, ...], divide_by_initial_world_size: bool, world_size: int) -> None:
+        self.strategy = strategy
+        self.roots = roots
+        self.divide = divide_by_initial_world_size
+        self.world_size = world_size
+        self._sync = [True] * len(roots)
+
+    def _fsdp_modules(self) -> list[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for root in self.roots for m in root.modules() if isinstance(m, FSDPModule)]
+
+    def install(self, session: ReplayJoin) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for index, root in enumerate(self.roots):
+            def pre(_: Any, args: Any, kwargs: Any, index: int = index) -> None:
+                session.before_forward(index, args, kwargs)
+
+            def post(_: Any, args: Any, output: Any, index: int = index) -> Any:
+                return session.after_forward(index, output)
+
+            stack.callback(root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True).remove)
+            stack.callback(root.register_forward_hook(post).remove)
+            original = root.set_requires_gradient_sync
+
+            def tracked(requires_gradient_sync: bool, *, recurse: bool = True, index: int = index, original: Any = original) -> None:
+                if not session.serving:
+                    self._sync[index] = requires_gradient_sync
+                original(requires_gradient_sync, recurse=recurse)
+
+            wrap_method(stack, root, "set_requires_gradient_sync", tracked)
+        if not self.divide:
+            for module in self._fsdp_modules():
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+                module.set_gradient_divide_factor(float(self.world_size))
+            stack.callback(self.active_count, self.world_size)
+        return stack
+
+    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
+        return self.roots[index](*args, **kwargs)
+
+    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
+        if not outputs:
+            return
+        root: Any = self.roots[index]
+        if not sync:
+            root.set_requires_gradient_sync(False)
+        try:
+            torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+        finally:
+            if not sync:
+                root.set_requires_gradient_sync(True)
+
+    def step(self, index: int) -> None:
+        raise AssertionError("FSDP2's optimizer step is local: it travels as an event")
+
+    def sync_flag(self, index: int) -> bool:
+        return self._sync[index]
+
+    def output_scale(self, count: int) -> float:
+        return 1.0  # the divisor is set on every FSDP module
+
+    def active_count(self, count: int) -> None:
+        if self.divide:
+            return
+        for module in self._fsdp_modules():
+            module.set_gradient_divide_factor(float(count))
+
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(self.roots[0], optimizer, max_norm, clip_val, norm_type=norm_type)

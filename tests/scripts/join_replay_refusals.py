@@ -1,0 +1,90 @@
+"""What the join session refuses under a sharded strategy, each with its reason.
+
+argv: strategy case
+  case "batched": every refusal that all ranks meet together, one after another, in one run;
+  rank 0 writes each rank's error messages.
+  case "sched_after_loop": an LR scheduler stepped after the loop inside the block on uneven
+  data; the run must end with the error, not hang.
+"""
+
+import sys
+
+import torch
+from _common import make_model, write
+
+import scopedlite as lite
+
+name, case = sys.argv[1], sys.argv[2]
+
+
+def error(fn) -> str:
+    try:
+        fn()
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "not refused"
+
+
+with lite.launch(strategy=name, devices=2, accelerator="cpu", timeout=30) as run:
+    rank = run.global_rank
+    model = make_model()
+    model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+
+    def step() -> None:
+        lite.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+    if case == "sched_after_loop":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        with lite.join(model):
+            for _ in range(3 if rank == 0 else 1):
+                step()
+            sched.step()  # runs early on rank 1: refused when rank 1 starts serving
+        sys.exit("not refused")
+
+    def plain() -> None:
+        with lite.join(torch.nn.Linear(4, 1)):
+            pass
+
+    def lr_by_hand() -> None:
+        with lite.join(model):
+            step()
+            opt.param_groups[0]["lr"] = 0.5
+            step()
+
+    def disagree() -> None:  # data-dependent control flow: ranks announce different things
+        with lite.join(model):
+            if rank == 0:
+                lite.all_reduce(1)
+            else:
+                model(x)
+
+    def plateau() -> None:
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        with lite.join(model):
+            step()
+            sched.step(1.0)
+
+    def unknown_optimizer() -> None:
+        with lite.join(model):
+            lite.backward(torch.nn.functional.mse_loss(model(x), y))
+            lite.clip_gradients(model, torch.optim.SGD(model.parameters(), lr=0.1), max_norm=1.0)
+
+    def two_forwards() -> None:  # one loss from two forwards: a joined rank cannot replay it
+        with lite.join(model):
+            loss = torch.nn.functional.mse_loss(model(x[:1]), y[:1]) + torch.nn.functional.mse_loss(model(x[1:]), y[1:])
+            lite.backward(loss)
+
+    cases = {"plain": plain, "lr_by_hand": lr_by_hand, "disagree": disagree, "plateau": plateau, "two_forwards": two_forwards}
+    if not name.startswith("deepspeed"):  # deepspeed refuses clip_gradients anyway
+        cases["unknown_optimizer"] = unknown_optimizer
+    errors = {key: error(fn) for key, fn in cases.items()}
+    opt.zero_grad()
+    with lite.join(model):  # the session still works after all that
+        step()
+    errors["after"] = lite.all_reduce(1)
+    everyone = [lite.broadcast(errors, src=r) for r in range(run.world_size)]
+    if rank == 0:
+        write(everyone)
