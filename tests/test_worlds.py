@@ -76,21 +76,35 @@ def _communicate(procs: list[subprocess.Popen[str]], timeout: float) -> list[tup
 @pytest.mark.timeout(150)
 def test_two_torchrun_nodes_form_one_world_that_trains_like_one_process(tmp_path):
     """Two `torchrun --nnodes 2` invocations, 2 processes each: one 4-rank world."""
+    import datetime
+
+    import torch.distributed as dist
+
     n, batch, port = 32, 4, _free_port()
     env = _env() | {"OUT": str(tmp_path / "out.json")}
+    # The rendezvous endpoint is hosted here, so it outlives both nodes. When one node's
+    # torchrun agent hosts it (both agents run on 127.0.0.1 here) and exits first, the other
+    # agent, still polling the rendezvous, fails at shutdown with RendezvousConnectionError
+    # (torch 2.13's elastic agent; the run itself is done by then): a race of torchrun's, not
+    # of the run under test.
+    endpoint = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=130))
     procs = [
         subprocess.Popen(
             [
                 sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "worlds-test",
+                "--rdzv-conf", "is_host=false",
                 str(SCRIPTS / "train.py"), "ddp", "2", str(n), str(batch),
             ],
             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)
     ]
-    results = _communicate(procs, timeout=130)
+    try:
+        results = _communicate(procs, timeout=130)
+    finally:
+        del endpoint
     for node, (code, out, err) in enumerate(results):
         assert code == 0, f"node {node}: exit {code}\n{out}\n{err}"
     _assert_trained_like_reference(json.loads((tmp_path / "out.json").read_text()), n, 4, batch)
