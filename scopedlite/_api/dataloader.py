@@ -20,6 +20,7 @@ from scopedlite._api.loader_state import (
     FORMAT,
     Interrupted,
     Pending,
+    loader_arguments,
     resumed_loader,
     spare_generator,
 )
@@ -32,21 +33,6 @@ from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsDeviceFeed
 
 __all__ = ["DeviceDataLoader", "setup_dataloader"]
-
-# DataLoader arguments carried over when the loader is rebuilt around our sampler.
-_CARRIED = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-)
-
 
 class _PassBook:
     """The epoch the next loader of a run starts at: one more than the last epoch any of the
@@ -393,9 +379,8 @@ def _already_sharded(sampler: Any) -> bool:
 
 def _carried(loader: DataLoader, rank: int) -> dict[str, Any]:  # type: ignore[type-arg]
     """The loader's own arguments, with workers seeded per rank (see :class:`SeedWorker`)."""
-    kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
+    kwargs = loader_arguments(loader)
     if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["worker_init_fn"] = SeedWorker(rank, loader.worker_init_fn)
     return kwargs
 

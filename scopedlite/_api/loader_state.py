@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from scopedlite._core import rng
 
-__all__ = ["FORMAT", "Interrupted", "Pending", "resumed_loader", "spare_generator"]
+__all__ = ["FORMAT", "Interrupted", "Pending", "loader_arguments", "resumed_loader", "spare_generator"]
 
 FORMAT = "scopedlite.loader/1"
 
@@ -135,8 +135,9 @@ class _SkipThenRestore(Sampler[Any]):
         return max(0, len(self.inner) - self.skip)
 
 
-# DataLoader arguments a one-pass copy of a loader keeps (its worker_init_fn is already ours).
-_KEPT = (
+# DataLoader arguments carried over when a loader is rebuilt (around our sampler at setup,
+# around a resumed pass here).
+_CARRIED = (
     "num_workers",
     "collate_fn",
     "pin_memory",
@@ -150,6 +151,14 @@ _KEPT = (
 )
 
 
+def loader_arguments(loader: DataLoader) -> dict[str, Any]:  # type: ignore[type-arg]
+    """The arguments ``loader`` was built with that a rebuilt copy of it keeps."""
+    kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
 def spare_generator() -> torch.Generator:
     """A generator for a ``DataLoader`` to draw its workers' base seed from, instead of the
     user's or torch's, where the uninterrupted run drew none: a loader with persistent workers
@@ -160,11 +169,9 @@ def spare_generator() -> torch.Generator:
 def resumed_loader(loader: DataLoader, pending: Pending) -> DataLoader:  # type: ignore[type-arg]
     """A copy of ``loader`` for the one resumed pass: same dataset, workers and collation,
     its index sampler wrapped in :class:`_SkipThenRestore`."""
-    kwargs = {name: getattr(loader, name) for name in _KEPT if hasattr(loader, name)}
+    kwargs = loader_arguments(loader)  # its worker_init_fn is already ours
     if not pending.drew_seed:
         kwargs["generator"] = spare_generator()
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
     if loader.batch_sampler is not None:
         batches = _SkipThenRestore(loader.batch_sampler, pending.skip, pending.rng, loader.generator)
         return DataLoader(loader.dataset, batch_sampler=batches, **kwargs)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from scopedlite._strategies.replay import announce_forwards
+
 if TYPE_CHECKING:
     from scopedlite._strategies.replay import ReplayJoin
 
@@ -43,14 +45,7 @@ class DDPReplay:
     def install(self, session: ReplayJoin) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, model in enumerate(self.models):
-            def pre(_: Any, args: Any, kwargs: Any, index: int = index) -> None:
-                session.before_forward(index, args, kwargs)
-
-            def post(_: Any, args: Any, output: Any, index: int = index) -> Any:
-                return session.after_forward(index, output)
-
-            stack.callback(model.register_forward_pre_hook(pre, prepend=True, with_kwargs=True).remove)
-            stack.callback(model.register_forward_hook(post).remove)
+            announce_forwards(stack, session, index, model)
         return stack
 
     def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:

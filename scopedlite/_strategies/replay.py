@@ -64,7 +64,7 @@ from scopedlite._strategies.join_session import (
 if TYPE_CHECKING:
     from scopedlite._strategies.base import Strategy
 
-__all__ = ["ReplayJoin", "Replayer", "wrap_method"]
+__all__ = ["ReplayJoin", "Replayer", "announce_forwards", "wrap_method"]
 
 # Round kinds.
 FORWARD, BACKWARD, STEP, CLIP, COLLECTIVE, EVENTS = 1, 2, 3, 4, 5, 6
@@ -588,6 +588,25 @@ def _schedulers_of(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
                 found.append((i, type(referrer).__name__, referrer))
     found.sort(key=lambda entry: (entry[0], entry[1]))
     return [scheduler for _, _, scheduler in found]
+
+
+def announce_forwards(stack: contextlib.ExitStack, session: ReplayJoin, index: int, module: torch.nn.Module) -> None:
+    """Open a FORWARD round before each forward of ``module`` (model ``index`` of the
+    session) and hand its output to the session, until ``stack`` closes.
+
+    The pre-hook is prepended and registered after the strategy wrapped the module, so it
+    runs before the strategy's own (FSDP2's all-gather): a joined rank must hear of the
+    forward before it is asked to take part in it.
+    """
+
+    def pre(_: Any, args: Any, kwargs: Any) -> None:
+        session.before_forward(index, args, kwargs)
+
+    def post(_: Any, args: Any, output: Any) -> Any:
+        return session.after_forward(index, output)
+
+    stack.callback(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True).remove)
+    stack.callback(module.register_forward_hook(post).remove)
 
 
 def wrap_method(stack: contextlib.ExitStack, obj: Any, name: str, wrapper: Any) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scopedlite._strategies.replay import wrap_method
+from scopedlite._strategies.replay import announce_forwards, wrap_method
 
 if TYPE_CHECKING:
     from scopedlite._strategies.fsdp.strategy import FSDPStrategy
@@ -50,14 +50,7 @@ class FSDPReplay:
     def install(self, session: ReplayJoin) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, root in enumerate(self.roots):
-            def pre(_: Any, args: Any, kwargs: Any, index: int = index) -> None:
-                session.before_forward(index, args, kwargs)
-
-            def post(_: Any, args: Any, output: Any, index: int = index) -> Any:
-                return session.after_forward(index, output)
-
-            stack.callback(root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True).remove)
-            stack.callback(root.register_forward_hook(post).remove)
+            announce_forwards(stack, session, index, root)
             original = root.set_requires_gradient_sync
 
             def tracked(requires_gradient_sync: bool, *, recurse: bool = True, index: int = index, original: Any = original) -> None:
