@@ -17,7 +17,8 @@ import torch
 from _common import make_data, make_model, write
 
 import scopedlite as lite
-from scopedlite._strategies import replay
+from scopedlite._strategies import join_events
+from scopedlite._strategies.join_message import Action
 
 name, ranks, counts = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
 divide, kind, clip = sys.argv[4] == "1", sys.argv[5], float(sys.argv[6])
@@ -27,9 +28,9 @@ broken = extra if extra in ("nostep", "nosched") else ""
 BATCH = 2
 
 if broken:  # a deliberately wrong replay: the test must notice
-    skipped = {"nostep": replay.OPT_STEP, "nosched": replay.SCHED_STEP}[broken]
-    original_apply = replay.ReplayJoin._apply
-    replay.ReplayJoin._apply = lambda self, code, value: None if code % 8 == skipped else original_apply(self, code, value)
+    skipped = {"nostep": Action.OPTIMIZER_STEP, "nosched": Action.SCHEDULER_STEP}[broken]
+    original_apply = join_events.EventRecorder.apply
+    join_events.EventRecorder.apply = lambda self, event, rank: None if event.action == skipped else original_apply(self, event, rank)
 
 if name == "fsdp":
     strategy = lite.FSDPStrategy(auto_wrap_policy={torch.nn.Linear})  # three units and a root
