@@ -54,10 +54,12 @@ def overwrite_buffers(buffers: list[torch.Tensor], values: list[torch.Tensor]) -
 
     ``lite.join`` puts a module's buffers back after a replayed forward (and sets them from
     the running rank that DDP under torch's ``Join`` takes them from) between a forward and
-    its backward. BatchNorm's backward saves the running statistics it was given, though in
+    its backward.
+
+    Why private: BatchNorm's backward saves the running statistics it was given, though in
     training it does not read them; a plain ``copy_`` would make that backward refuse to run.
-    DDP's own buffer broadcast hides its copy the same way
-    (``torch.autograd._unsafe_preserve_version_counter``). Checked against torch 2.13.
+    DDP's own buffer broadcast hides its copy the same way, with
+    ``torch.autograd._unsafe_preserve_version_counter``. Checked against torch 2.13.
     """
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
         for buffer, value in zip(buffers, values):
