@@ -19,13 +19,11 @@ from _common import batches, make_data, make_model, reference_training, shards  
 
 pytestmark = pytest.mark.timeout(120)
 
-CASES = [
-    # strategy, ranks, samples, batch size, divide_by_initial_world_size
-    ("ddp", 2, 5, 2, True),  # rank 1 has one batch fewer
-    ("ddp", 3, 10, 1, True),  # rank 0 has one batch more
-    ("ddp", 3, 2, 1, True),  # rank 2 has no batch at all
-    ("ddp", 2, 7, 2, False),  # gradients averaged over the ranks still active
-    ("single", 1, 7, 2, True),  # the same script on one process
+RUNS = [
+    # strategy, ranks, configurations (samples, batch size, divide_by_initial_world_size)
+    ("ddp", 2, [(5, 2, True), (7, 2, False)]),  # rank 1 has one batch fewer; averaged over the active
+    ("ddp", 3, [(10, 1, True), (2, 1, True)]),  # rank 0 has one batch more; rank 2 has no batch at all
+    ("single", 1, [(7, 2, True)]),  # the same script on one process
 ]
 
 
@@ -33,11 +31,16 @@ def _flat(params):
     return [x for p in params for x in p]
 
 
-@pytest.mark.parametrize(("strategy", "world", "n", "batch", "divide"), CASES)
-def test_join_uneven(script, strategy, world, n, batch, divide):
-    result = script("join_run", strategy, world, n, batch, int(divide))
+@pytest.mark.parametrize(("strategy", "world", "configs"), RUNS, ids=lambda v: v if isinstance(v, str) else str(v))
+def test_join_uneven(script, strategy, world, configs):
+    result = script("join_run", strategy, world, ",".join(f"{n}:{b}:{int(d)}" for n, b, d in configs))
     assert result.returncode == 0, result.explain()
-    ranks = result.json()
+    everyone = result.json()
+    for k, (n, batch, divide) in enumerate(configs):
+        _check_join_run([records[k] for records in everyone], world, n, batch, divide)
+
+
+def _check_join_run(ranks, world, n, batch, divide):
     assert [r["rank"] for r in ranks] == list(range(world))
 
     exact = shards(n, world, pad=False)

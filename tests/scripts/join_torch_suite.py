@@ -19,7 +19,7 @@ the block, and what the scenario checks along the way.
 import sys
 
 import torch
-from _torch_models import build, eval_data, example_input, make_optimizer, scenarios, step_input
+from _torch_models import STEP, build, eval_data, example_input, make_optimizer, scenarios, step_input
 
 import scopedlite as lite
 from _common import write
@@ -76,11 +76,12 @@ def state(model):
 
 
 def manual_step(model):
-    """torch's _model_step: ascend by the gradient, then drop it."""
+    """torch's _model_step (a step by hand, then the gradient dropped); descending by STEP
+    times the gradient, where torch ascends by the whole of it, so no value overflows."""
     for param in model.parameters():
         if param.grad is not None:
             with torch.no_grad():
-                param += param.grad
+                param -= STEP * param.grad
             param.grad = None
 
 
