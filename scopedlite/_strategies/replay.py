@@ -196,7 +196,6 @@ class ReplaySession:
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
         self.events = EventRecorder(optimizers, tuple(m for _, m in replayer.zero_grad_owners()), replayer.records_steps)
-        self._owner_index = [i for i, _ in replayer.zero_grad_owners()]
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
         self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
@@ -230,10 +229,6 @@ class ReplaySession:
             self.inputs.clear()
             self.outputs.clear()
             self._stack.close()
-
-    def is_active(self) -> bool:
-        """Whether this rank runs its own code (not serving the others)."""
-        return not self.serving
 
     def _leave(self) -> None:
         if not self.rounds:  # every rank had data up to here: all leave together
