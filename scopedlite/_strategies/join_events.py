@@ -180,20 +180,21 @@ def _schedulers_of(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
     """The LR schedulers built on ``optimizers`` so far, in a deterministic order.
 
     The garbage collector's referrers are the one public way to find the schedulers the user
-    created; a scan of the heap, so it runs once per block and only when a rank may serve.
+    created: one scan of the heap for all optimizers, so it runs once per block and only when
+    a rank may serve. A scheduler whose attribute dictionary was materialised refers to its
+    optimizer through that dictionary; only such dictionaries cost a second scan.
     """
-    found: list[tuple[int, str, Any]] = []
-    seen: set[int] = set()
-    for i, optimizer in enumerate(optimizers):
-        referrers = gc.get_referrers(optimizer)
-        # An instance whose attributes were ever set on it by name refers through its __dict__.
-        owners = [o for d in referrers if isinstance(d, dict) for o in gc.get_referrers(d) if getattr(o, "__dict__", None) is d]
-        for referrer in [*referrers, *owners]:
-            if isinstance(referrer, torch.optim.lr_scheduler.LRScheduler) and id(referrer) not in seen:
-                seen.add(id(referrer))
-                found.append((i, type(referrer).__name__, referrer))
-    found.sort(key=lambda entry: (entry[0], entry[1]))
-    return [scheduler for _, _, scheduler in found]
+    if not optimizers:
+        return []
+    referrers = gc.get_referrers(*optimizers)
+    found = [r for r in referrers if isinstance(r, torch.optim.lr_scheduler.LRScheduler)]
+    dicts = [d for d in referrers if isinstance(d, dict) and "last_epoch" in d and any(d.get("optimizer") is o for o in optimizers)]
+    if dicts:
+        found += [o for o in gc.get_referrers(*dicts) if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and any(vars(o) is d for d in dicts)]
+    unique = list({id(s): s for s in found}.values())
+    order = {id(o): i for i, o in enumerate(optimizers)}
+    unique.sort(key=lambda s: (order[id(s.optimizer)], type(s).__name__))
+    return unique
 
 
 def wrap_method(stack: contextlib.ExitStack, obj: Any, name: str, wrapper: Any) -> None:
