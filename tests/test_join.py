@@ -249,6 +249,18 @@ def test_join_training_suite_every_strategy(script, strategy, world):
             for r in range(world):
                 assert ranks[r][n]["metric"] == pytest.approx(reference_eval(), rel=1e-5), what
             continue
+        if case["run"] == "equivalence":
+            for r in range(world):
+                _close(ranks[r][n]["params"], reference_equivalence(world)["params"], f"{what}: rank {r}")
+            continue
+        if case["run"] == "grad_div":  # fsdp: each rank's shard of the gradient
+            expected_grads = reference_grad_div(case, world)
+            for r in range(world):
+                got = ranks[r][n]["grads"]
+                assert len(got) == len(expected_grads[r]), f"{what}: rank {r}"
+                for shard, full in zip(got, expected_grads[r]):
+                    assert shard == pytest.approx([full[0]] * len(shard), rel=1e-6), f"{what}: rank {r}"
+            continue
         expected = reference_train(case, world, ddp=strategy == "ddp")
         mapping = case["mapping"]
         for r in range(world):
@@ -276,3 +288,23 @@ def test_a_replay_that_does_not_mirror_the_optimizer_step_is_caught(script):
             want = [x for t in expected[0]["params"] for x in t]
             worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
     assert worst > 1e-3
+
+
+def test_an_opener_encodes_and_decodes_itself():
+    """The wire message of the join protocol: every field survives the float64 row."""
+    from scopedlite._strategies.join_message import LENGTH, Action, Event, Header, Kind, Opener, Round
+
+    opener = Opener(
+        Kind.COLLECTIVE, site=2**31 - 5, index=3, flag=6, mask=2**47 + 1, seq=12345, ended=2, reports=True,
+        needs=5, length=-1, values=(0.125, -1.0, float("inf")), header=Header(1, 2, 4, (3, 1, 7), 1, 2),
+        events=(Event(Action.OPTIMIZER_STEP, 1, 0.30000000000000004), Event(Action.SCHEDULER_STEP, 0)),
+    )
+    row = opener.encode()
+    assert len(row) == LENGTH
+    assert Opener.decode(row) == opener
+    left = Opener(Kind.LEFT, ended=3)
+    round_ = Round([row, left.encode(), Opener(Kind.COLLECTIVE, site=7, ended=2).encode()])
+    assert round_.alive == [0, 2] and round_.runners == [0, 2] and round_.waiters == []
+    assert "different steps" in round_.disagreement()  # another call site: never matched
+    ahead = Round([Opener(Kind.FORWARD, ended=0).encode(), Opener(Kind.COLLECTIVE, site=7, ended=1).encode()])
+    assert ahead.runners == [0] and ahead.waiters == [1] and ahead.disagreement() is None

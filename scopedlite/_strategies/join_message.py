@@ -77,7 +77,8 @@ class Header:
 
 _BROADCAST = 3  # join_session.BROADCAST: only its source must agree
 MAX_EVENTS = 6  # events carried by one opener; more open rounds of their own
-_FIXED = 13
+_FIXED = 13  # kind ... length (10 integers), then the 3 values
+_VALUES_AT = 10
 _HEADER_AT = _FIXED  # collective, op, dtype, src, payload, ndim, shape...
 _EVENTS_AT = _HEADER_AT + 6 + MAX_DIMS
 LENGTH = _EVENTS_AT + 1 + 3 * MAX_EVENTS
@@ -117,7 +118,7 @@ class Opener:
 
     @classmethod
     def decode(cls, row: list[float]) -> Opener:
-        i = [round(v) for v in row[:_EVENTS_AT + 1]]
+        i = [0 if _VALUES_AT <= k < _FIXED else round(v) for k, v in enumerate(row[: _EVENTS_AT + 1])]
         h = i[_HEADER_AT : _HEADER_AT + 6]
         header = Header(h[0], h[1], h[2], tuple(i[_HEADER_AT + 6 : _HEADER_AT + 6 + h[5]]), h[3], h[4])
         events = tuple(
@@ -126,7 +127,7 @@ class Opener:
         )
         return cls(
             Kind(i[0]), i[1], i[2], i[3], i[4], i[5], i[6], bool(i[7]), i[8], i[9],
-            (row[10], row[11], row[12]), header, events,
+            (row[_VALUES_AT], row[_VALUES_AT + 1], row[_VALUES_AT + 2]), header, events,
         )
 
     def step_key(self) -> tuple[object, ...]:

@@ -162,6 +162,10 @@ def scenarios(suite: str, strategy: str, world: int) -> list[dict[str, Any]]:
     cases.append({"run": "train", "model": "mlp", "window": 1, "mapping": two, "divide": True, "clip": "norm", "optimizer": "adamw", "loader": True})
     cases.append({"run": "train", "model": "mlp", "window": 2, "mapping": zero, "divide": True, "clip": "value", "optimizer": "sgd", "loader": False})
     cases.append({"run": "eval"})
+    if strategy != "ddp":  # ddp runs these in the torch suite
+        cases.append({"run": "equivalence", "loader": True})
+        if strategy == "fsdp":  # deepspeed's engine owns the gradients
+            cases += [{"run": "grad_div", "divide": False, "loader": True}, {"run": "grad_div", "divide": True, "loader": False}]
     return cases
 
 

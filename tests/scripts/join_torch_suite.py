@@ -112,7 +112,8 @@ def run_grad_div(case, rank, world):
     with lite.join(model, divide_by_initial_world_size=case["divide"]):
         for _ in iterations(n, case["loader"]):
             model(x).sum().backward()
-            grads.append(next(iter(model.parameters())).grad.flatten().tolist())
+            grad = next(iter(model.parameters())).grad
+            grads.append((grad.to_local() if hasattr(grad, "to_local") else grad).flatten().tolist())  # fsdp: this rank's shard
             model.zero_grad()
     return {"grads": grads, **state(model)}
 
@@ -125,7 +126,8 @@ def run_equivalence(case, rank, world):
     with lite.join(model):
         for _ in iterations(2 * (rank + 1), case["loader"]):
             opt.zero_grad()
-            model(x).sum().backward()
+            loss = model(x).sum()
+            loss.backward() if name == "ddp" else lite.backward(loss)
             opt.step()
     return state(model)
 

@@ -6,6 +6,8 @@ DeepSpeed's public engine methods are wrapped on the instance for the block:
   inside it) and wraps the outputs so that their backward is announced too;
 - ``engine.step`` announces a round of its own: ZeRO's step is collective (gradient-norm and
   overflow all-reduces, the all-gather of updated partitions), so a joined rank must step too;
+- a backward inside ``lite.no_backward_sync`` (the engine's accumulation boundary lowered) is
+  replayed inside it too;
 - ``engine.backward`` scales the loss by ``world_size / active`` when
   ``divide_by_initial_world_size=False``: DeepSpeed always averages over the world and has no
   setter for the divisor.
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from scopedlite._strategies.deepspeed.engines import accumulating
 from scopedlite._strategies.deepspeed.logs import filtered_warnings
 from scopedlite._strategies.join_events import wrap_method
 
@@ -87,9 +90,10 @@ class DeepSpeedReplay:
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
         if not outputs:
             return
+        engine = self.engines[index]
         zero = sum((t.float() * 0).sum() for t in outputs)
-        with filtered_warnings():
-            self.engines[index].backward(zero)
+        with filtered_warnings(), accumulating(engine) if not sync else contextlib.nullcontext():
+            engine.backward(zero)
 
     def step(self, index: int) -> None:
         # Through the user's optimizer, as on the active ranks: its step is rerouted to the
@@ -99,7 +103,8 @@ class DeepSpeedReplay:
         (optimizer if optimizer is not None else engine).step()
 
     def sync_flag(self, index: int) -> bool:
-        return True  # DeepSpeed has no no_backward_sync: it accumulates by its config
+        # lite.no_backward_sync lowers the engine's boundary; its config may accumulate too
+        return bool(self.engines[index].is_gradient_accumulation_boundary())
 
     def output_scale(self, count: int) -> float:
         return 1.0  # the divisor is set by scaling the loss in engine.backward
