@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._private.torch_internals import overwrite_buffers
-from scopedlite._strategies.replay import announce_forwards
+from scopedlite._strategies.join_replayer import announce_forwards
 
 if TYPE_CHECKING:
     from scopedlite._strategies.replay import ReplaySession

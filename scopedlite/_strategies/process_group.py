@@ -17,7 +17,8 @@ import torch.distributed as dist
 from scopedlite._comm import process_group as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
-from scopedlite._strategies.replay import Replayer, ReplaySession
+from scopedlite._strategies.join_replayer import Replayer
+from scopedlite._strategies.replay import ReplaySession
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from scopedlite._strategies.join_events import wrap_method
-from scopedlite._strategies.replay import announce_forwards
+from scopedlite._strategies.join_replayer import announce_forwards
 
 if TYPE_CHECKING:
     from scopedlite._strategies.fsdp.strategy import FSDPStrategy
