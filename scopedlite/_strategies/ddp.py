@@ -113,7 +113,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         return [m for m in (ref() for ref in self._modules) if m is not None]
 
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
-        return tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
+        return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
     def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DDPReplay:
         refuse_what_join_cannot_replay(models, optimizers)

@@ -169,6 +169,12 @@ class EventRecorder:
         elif event.action == Action.MODULE_ZERO_GRAD:
             self.models[event.index].zero_grad(set_to_none=bool(event.value))
         elif event.action == Action.SCHEDULER_STEP:
+            if event.index >= len(self.schedulers):
+                raise RuntimeError(
+                    f"Inside lite.join the ranks still active stepped LR scheduler #{event.index}, "
+                    f"but rank {rank} knows {len(self.schedulers)} on the block's optimizers. Create "
+                    "the same schedulers on every rank, before the block."
+                )
             self.schedulers[event.index].step()
 
 

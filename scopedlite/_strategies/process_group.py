@@ -132,6 +132,17 @@ class ProcessGroupStrategy(Strategy):
         """This backend's hooks and replays (checks what it cannot replay first)."""
         raise NotImplementedError
 
+    @staticmethod
+    def optimizers_of(models: tuple[torch.nn.Module, ...], optimizers: list[Any]) -> tuple[torch.optim.Optimizer, ...]:
+        """Of the run's live optimizers (weak references), those that update ``models``: one
+        of a model dropped earlier may still await the garbage collector on one rank and not
+        on another, and every rank must mirror the same ones."""
+        params = {id(p) for model in models for p in model.parameters()}
+        return tuple(
+            o for o in optimizers
+            if o is not None and any(id(p) in params for group in o.param_groups for p in group["params"])
+        )
+
     def _openers_group(self) -> Any:
         """Where the join protocol's openers travel: a CPU group, so that no round waits for
         the device (under NCCL a gloo group beside it, created at the first join)."""

@@ -305,7 +305,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         return [m for m in (ref() for ref in self._modules) if m is not None]
 
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
-        return tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
+        return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
     def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> FSDPReplay:
         return FSDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
