@@ -19,13 +19,11 @@ from _common import batches, make_data, make_model, reference_training, shards  
 
 pytestmark = pytest.mark.timeout(120)
 
-CASES = [
-    # strategy, ranks, samples, batch size, divide_by_initial_world_size
-    ("ddp", 2, 5, 2, True),  # rank 1 has one batch fewer
-    ("ddp", 3, 10, 1, True),  # rank 0 has one batch more
-    ("ddp", 3, 2, 1, True),  # rank 2 has no batch at all
-    ("ddp", 2, 7, 2, False),  # gradients averaged over the ranks still active
-    ("single", 1, 7, 2, True),  # the same script on one process
+RUNS = [
+    # strategy, ranks, configurations (samples, batch size, divide_by_initial_world_size)
+    ("ddp", 2, [(5, 2, True), (7, 2, False)]),  # rank 1 has one batch fewer; averaged over the active
+    ("ddp", 3, [(10, 1, True), (2, 1, True)]),  # rank 0 has one batch more; rank 2 has no batch at all
+    ("single", 1, [(7, 2, True)]),  # the same script on one process
 ]
 
 
@@ -33,11 +31,16 @@ def _flat(params):
     return [x for p in params for x in p]
 
 
-@pytest.mark.parametrize(("strategy", "world", "n", "batch", "divide"), CASES)
-def test_join_uneven(script, strategy, world, n, batch, divide):
-    result = script("join_run", strategy, world, n, batch, int(divide))
+@pytest.mark.parametrize(("strategy", "world", "configs"), RUNS, ids=lambda v: v if isinstance(v, str) else str(v))
+def test_join_uneven(script, strategy, world, configs):
+    result = script("join_run", strategy, world, ",".join(f"{n}:{b}:{int(d)}" for n, b, d in configs))
     assert result.returncode == 0, result.explain()
-    ranks = result.json()
+    everyone = result.json()
+    for k, (n, batch, divide) in enumerate(configs):
+        _check_join_run([records[k] for records in everyone], world, n, batch, divide)
+
+
+def _check_join_run(ranks, world, n, batch, divide):
     assert [r["rank"] for r in ranks] == list(range(world))
 
     exact = shards(n, world, pad=False)
@@ -131,104 +134,7 @@ def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(scri
     assert rank0["after"] == rank1["after"] == 40.0
 
 
-# -- every strategy over a process group: lockstep zero-weighted replay ---------------------------
-
-# (ranks, batches per rank, divide_by_initial_world_size, optimizer, max_norm)
-TWO = (2, "5,3", True, "adamw", 0.5)
-THREE = (3, "5,3,0", False, "sgd", 0.5)  # rank 2 has no batch at all
-# "accumulate": each batch as two micro-batches, the first in lite.no_backward_sync (the same
-# gradient, so the same reference); DeepSpeed accumulates by its config instead.
-REPLAY_CASES = [
-    ("fsdp", TWO, ""),
-    ("fsdp", THREE, "accumulate"),
-    ("deepspeed_stage_3", TWO, ""),
-    ("deepspeed_stage_3_offload", THREE, ""),  # optimizer and parameters offloaded to the CPU
-    ("deepspeed_stage_2", TWO, ""),
-    ("deepspeed_stage_1", THREE, ""),
-]
-DDP_EXTRA = {TWO: "", THREE: "accumulate"}
-_ddp_runs: dict[tuple, list] = {}
-
-
-def _replay_reference(counts, divide, kind, max_norm, batch=2):
-    """One process: per step, the active ranks' mean-loss gradients summed and divided by the
-    world size (or the active count), clipped by global norm, then step, scheduler, zero_grad;
-    two epochs over the same per-rank batches (the script's loop)."""
-    model = make_model()
-    if kind == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    x, y = make_data(batch * sum(counts)).tensors
-    starts = [sum(counts[:r]) for r in range(len(counts))]
-    for _ in range(2):
-        for step in range(max(counts)):
-            active = [r for r in range(len(counts)) if step < counts[r]]
-            total = [torch.zeros_like(p) for p in model.parameters()]
-            for r in active:
-                b = starts[r] + step
-                model.zero_grad()
-                torch.nn.functional.mse_loss(model(x[batch * b : batch * (b + 1)]), y[batch * b : batch * (b + 1)]).backward()
-                for t, p in zip(total, model.parameters()):
-                    t += p.grad
-            for t, p in zip(total, model.parameters()):
-                p.grad = t / (len(counts) if divide else len(active))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    with torch.no_grad():
-        sse = torch.nn.functional.mse_loss(model(x), y, reduction="sum").item()
-    return _flat([p.detach().flatten().tolist() for p in model.parameters()]), opt.param_groups[0]["lr"], sse, len(x)
-
-
-def _replay_run(script, strategy, config, *extra):
-    ranks, counts, divide, kind, max_norm = config
-    result = script("join_sharded", strategy, ranks, counts, int(divide), kind, max_norm, *[e for e in extra if e], timeout=150)
-    assert result.returncode == 0, result.explain()
-    return result.json()
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize(("strategy", "config", "extra"), REPLAY_CASES, ids=lambda v: v if isinstance(v, str) else f"{v[0]}ranks-{v[1]}")
-def test_join_trains_like_ddp_and_one_process_under_sharded_strategies(script, strategy, config, extra):
-    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
-    ranks_, counts_text, divide, kind, max_norm = config
-    counts = [int(c) for c in counts_text.split(",")]
-    ranks = _replay_run(script, strategy, config, extra)
-    if config not in _ddp_runs:  # the same script under ddp, once per configuration
-        _ddp_runs[config] = _replay_run(script, "ddp", config, DDP_EXTRA[config])
-    ddp = _ddp_runs[config]
-    params, lr, sse, n = _replay_reference(counts, divide, kind, max_norm)
-
-    for r in ranks:
-        # training: every rank ends with the same parameters, those of ddp and one process
-        assert _flat(r["params"]) == pytest.approx(params, abs=1e-5)
-        assert _flat(r["params"]) == pytest.approx(_flat(ddp[r["rank"]]["params"]), abs=1e-5)
-        assert r["lr"][-1] == pytest.approx(lr, rel=1e-12)  # the scheduler was mirrored
-        # each rank ran its own batches only, in both epochs
-        assert len(r["steps"]) == 2 * counts[r["rank"]]
-        # collectives before the forward and between forward and backward: active ranks only
-        for i, step in enumerate(r["steps"]):
-            s = i % counts[r["rank"]]
-            active = [q for q in range(ranks_) if s < counts[q]]
-            assert step["active"] == len(active)
-            peers = [ranks[q]["steps"][step["epoch"] * counts[q] + s]["local"] for q in active]
-            assert step["sum"] == pytest.approx(sum(peers), rel=1e-5)
-        # no_grad evaluation inside join: every sample once, the one-process metric
-        assert r["metric"][1] == n
-        assert r["metric"][0] == pytest.approx(sse, rel=1e-5)
-
-
-def test_a_replay_that_does_not_mirror_the_optimizer_step_is_caught(script):
-    """The control: joined ranks that skip optimizer.step end far from the reference."""
-    config = THREE
-    counts = [int(c) for c in config[1].split(",")]
-    ranks = _replay_run(script, "fsdp", config, "nostep")
-    params, _, _, _ = _replay_reference(counts, config[2], config[3], config[4])
-    assert max(abs(a - b) for a, b in zip(_flat(ranks[0]["params"]), params)) > 1e-3
+# -- refusals under the sharded strategies -------------------------------------------------------
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_3"])
@@ -252,6 +158,153 @@ def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
 def test_a_scheduler_stepped_after_the_loop_inside_join_is_an_error_not_a_hang(script):
     result = script("join_replay_refusals", "fsdp", "sched_after_loop", timeout=90)
     assert result.returncode == 1, result.explain()
-    assert "rank 1 raised RuntimeError: Inside lite.join a rank that ran out of data did" in result.stderr
+    assert "rank 1 raised RuntimeError: Inside lite.join the ranks did different optimizer/scheduler calls" in result.stderr
     assert "after the loop but inside the join block" in result.stderr
     assert result.seconds < 40
+
+
+# -- torch's own uneven-input scenarios (distributed_test.py), many per launch ------------------
+
+from _torch_models import (  # noqa: E402
+    reference_equivalence,
+    reference_eval,
+    reference_even,
+    reference_grad_div,
+    reference_train,
+    reference_uneven,
+    scenarios,
+)
+
+
+def _close(got, expected, what, rel=1e-5, abs_=1e-5):
+    assert len(got) == len(expected), f"{what}: {len(got)} tensors, expected {len(expected)}"
+    for k, (a, b) in enumerate(zip(got, expected)):
+        assert a == pytest.approx(b, rel=rel, abs=abs_), f"{what}: tensor {k} differs"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_uneven_input_suite_under_ddp_ends_as_torch_join(script, world):
+    """test_ddp_uneven_inputs (5 models x no_sync every 1/2/3 x every mapping, with a rank of
+    zero iterations), grad division, model equivalence and even inputs: parameters and buffers
+    equal on every rank and to what plain torch computes for torch's Join."""
+    result = script("join_torch_suite", "ddp", world, "torch", timeout=280)
+    assert result.returncode == 0, result.explain()
+    ranks = result.json()
+    cases = scenarios("torch", "ddp", world)
+    assert [len(r) for r in ranks] == [len(cases)] * world
+    for n, case in enumerate(cases):
+        what = f"scenario {n} {case}"
+        records = [ranks[r][n] for r in range(world)]
+        for r, record in enumerate(records):  # the same model on every rank: parameters and buffers
+            assert record["params"] == records[0]["params"] and record["buffers"] == records[0]["buffers"], f"{what}: rank {r}"
+        if case["run"] == "uneven":
+            expected = reference_uneven(case, world)
+            assert [rec["done"] for rec in records] == [case["mapping"][r] for r in range(world)], what
+            _close(records[0]["params"], expected["params"], what)
+            _close(records[0]["buffers"], expected["buffers"], what + " buffers")
+        elif case["run"] == "grad_div":
+            expected_grads = reference_grad_div(case, world)
+            for r, record in enumerate(records):
+                assert len(record["grads"]) == len(expected_grads[r]), f"{what}: rank {r}"
+                for got, want in zip(record["grads"], expected_grads[r]):  # torch's tolerance
+                    assert got == pytest.approx(want, rel=1e-6), f"{what}: rank {r}"
+        elif case["run"] == "equivalence":
+            _close(records[0]["params"], reference_equivalence(world)["params"], what)
+        elif case["run"] == "even":
+            for record in records:
+                assert record["grads"] == pytest.approx(reference_even(world)), what
+
+
+TRAIN_SUITES = [
+    ("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3),
+    ("deepspeed_stage_1", 2), ("deepspeed_stage_2", 3), ("deepspeed_stage_3", 2), ("deepspeed_stage_3_offload", 3),
+]
+
+
+def _train_run(script, strategy, world, *extra):
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_torch_suite", strategy, world, "train", *extra, timeout=280)
+    assert result.returncode == 0, result.explain()
+    ranks = result.json()
+    cases = scenarios("train", strategy, world)
+    assert [len(r) for r in ranks] == [len(cases)] * world
+    return ranks, cases
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("strategy", "world"), TRAIN_SUITES)
+def test_join_training_suite_every_strategy(script, strategy, world):
+    """SGD or AdamW with a StepLR, accumulation windows of 1-3 micro-batches (a rank running
+    out in the middle of one), a BatchNorm net, clipping by norm and by value, both divisors,
+    a rank with no batch, collectives between forward and backward and after the loop inside
+    the block, a no_grad evaluation; loops over a set-up loader (free while every rank has
+    data) and over range(). Parameters equal on every rank and to plain torch; buffers the
+    last joiner's under ddp (as torch's Join), each rank's own under fsdp and deepspeed."""
+    ranks, cases = _train_run(script, strategy, world)
+    for n, case in enumerate(cases):
+        what = f"scenario {n} {case}"
+        if case["run"] == "eval":
+            for r in range(world):
+                assert ranks[r][n]["metric"] == pytest.approx(reference_eval(), rel=1e-5), what
+            continue
+        if case["run"] == "equivalence":
+            for r in range(world):
+                _close(ranks[r][n]["params"], reference_equivalence(world)["params"], f"{what}: rank {r}")
+            continue
+        if case["run"] == "grad_div":  # fsdp: each rank's shard of the gradient
+            expected_grads = reference_grad_div(case, world)
+            for r in range(world):
+                got = ranks[r][n]["grads"]
+                assert len(got) == len(expected_grads[r]), f"{what}: rank {r}"
+                for shard, full in zip(got, expected_grads[r]):
+                    assert shard == pytest.approx([full[0]] * len(shard), rel=1e-6), f"{what}: rank {r}"
+            continue
+        expected = reference_train(case, world, ddp=strategy == "ddp")
+        mapping = case["mapping"]
+        for r in range(world):
+            record = ranks[r][n]
+            assert record["total"] == sum(mapping.values()), what
+            assert len(record["steps"]) == mapping[r], what
+            for i, (_, summed) in enumerate(record["steps"]):  # over the ranks active at step i
+                peers = [ranks[q][n]["steps"][i][0] for q in range(world) if i < mapping[q]]
+                assert summed == pytest.approx(sum(peers), rel=1e-5), f"{what}: rank {r} step {i}"
+            assert record["lr"] == pytest.approx(expected[r]["lr"], rel=1e-12), what  # the scheduler was mirrored
+            _close(record["params"], expected[r]["params"], f"{what}: rank {r}")
+            _close(record["buffers"], expected[r]["buffers"], f"{what}: rank {r} buffers")
+            assert record["moments"] == ranks[0][n]["moments"], f"{what}: rank {r} optimizer state"
+
+
+@pytest.mark.timeout(300)
+def test_a_replay_that_does_not_mirror_the_optimizer_step_is_caught(script):
+    """The control: serving ranks that skip optimizer.step end away from the reference."""
+    ranks, cases = _train_run(script, "fsdp", 2, "nostep")
+    worst = 0.0
+    for n, case in enumerate(cases):
+        if case["run"] == "train" and case["mapping"][0] == 0:  # rank 0 serves from the start
+            expected = reference_train(case, 2, ddp=False)
+            got = [x for t in ranks[0][n]["params"] for x in t]
+            want = [x for t in expected[0]["params"] for x in t]
+            worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
+    assert worst > 1e-3
+
+
+def test_an_opener_encodes_and_decodes_itself():
+    """The wire message of the join protocol: every field survives the float64 row."""
+    from scopedlite._strategies.join_message import LENGTH, Action, Event, Header, Kind, Opener, Round
+
+    opener = Opener(
+        Kind.COLLECTIVE, site=2**31 - 5, index=3, flag=6, mask=2**47 + 1, seq=12345, ended=2, reports=True,
+        needs=5, length=-1, values=(0.125, -1.0, float("inf")), header=Header(1, 2, 4, (3, 1, 7), 1, 2),
+        events=(Event(Action.OPTIMIZER_STEP, 1, 0.30000000000000004), Event(Action.SCHEDULER_STEP, 0)),
+    )
+    row = opener.encode()
+    assert len(row) == LENGTH
+    assert Opener.decode(row) == opener
+    left = Opener(Kind.LEFT, ended=3)
+    round_ = Round([row, left.encode(), Opener(Kind.COLLECTIVE, site=7, ended=2).encode()])
+    assert round_.alive == [0, 2] and round_.runners == [0, 2] and round_.waiters == []
+    assert "different steps" in round_.disagreement()  # another call site: never matched
+    ahead = Round([Opener(Kind.FORWARD, ended=0).encode(), Opener(Kind.COLLECTIVE, site=7, ended=1).encode()])
+    assert ahead.runners == [0] and ahead.waiters == [1] and ahead.disagreement() is None

@@ -15,7 +15,7 @@ from torch.utils.data import (
 
 from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
-from scopedlite._api.join import in_join
+from scopedlite._api.join import in_join, join_pass
 from scopedlite._api.loader_state import (
     FORMAT,
     Interrupted,
@@ -148,11 +148,17 @@ class DeviceDataLoader:
             return
         device = self.device
         non_blocking = device is not None and device.type == "cuda"
+        # Inside lite.join: the session learns this rank's length, and when a rank runs out.
+        cursor = join_pass(len(loader) if pending is None and _has_length(loader) else None)
         for batch in self._iterate(loader):
             if device is not None:
                 batch = map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
             self._position += 1
             yield batch
+            if cursor is not None:
+                cursor.advance()
+        if cursor is not None:
+            cursor.end()
         self._in_pass = False
 
     def _iterate(self, loader: DataLoader) -> Iterator[Any]:  # type: ignore[type-arg]
@@ -316,6 +322,17 @@ def _epoch_holders(loader: DataLoader) -> list[Any]:  # type: ignore[type-arg]
         if callable(getattr(candidate, "set_epoch", None)) and all(candidate is not h for h in holders):
             holders.append(candidate)
     return holders
+
+
+def _has_length(loader: DataLoader) -> bool:  # type: ignore[type-arg]
+    """Whether ``len(loader)`` is the number of batches a pass yields (not for an iterable dataset)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return False
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
 
 
 def _items(loader: DataLoader) -> int:  # type: ignore[type-arg]

@@ -16,7 +16,7 @@ from scopedlite._core.scope import ScopeError, WrapperScope
 from scopedlite._strategies.abilities import SupportsJoin
 from scopedlite._strategies.registry import names_supporting
 
-__all__ = ["active_session", "in_join", "join"]
+__all__ = ["active_session", "in_join", "join", "join_pass"]
 
 _join_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.join", default=None)
 
@@ -92,3 +92,17 @@ def active_session(run: Run) -> Any:
 def in_join() -> bool:
     """Whether a ``lite.join`` block is open in the current context."""
     return _join_var.get() is not None
+
+
+def join_pass(length: int | None) -> Any:
+    """The open join session's cursor for a pass over a set-up loader beginning now (this
+    rank's number of batches, None if unknown), or None outside ``lite.join``.
+
+    The session learns the ranks' lengths from it and runs no protocol round while every
+    rank still has data; the loader calls ``advance()`` when the next batch is asked for
+    and ``end()`` when the pass is over.
+    """
+    scope = _join_var.get()
+    if scope is None:
+        return None
+    return scope.session.loader_pass(length)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed import distributed_c10d
 
-__all__ = ["cpu_twin", "set_group_timeout"]
+__all__ = ["cpu_twin", "overwrite_buffers", "set_group_timeout"]
 
 
 def cpu_twin(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Module:
@@ -47,3 +47,20 @@ def set_group_timeout(timeout: Any) -> None:
     own. Checked against torch 2.3-2.13.
     """
     distributed_c10d._set_pg_timeout(timeout)
+
+
+def overwrite_buffers(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Copy ``values`` into ``buffers`` in place without bumping their version counters.
+
+    ``lite.join`` puts a module's buffers back after a replayed forward (and sets them from
+    the running rank that DDP under torch's ``Join`` takes them from) between a forward and
+    its backward.
+
+    Why private: BatchNorm's backward saves the running statistics it was given, though in
+    training it does not read them; a plain ``copy_`` would make that backward refuse to run.
+    DDP's own buffer broadcast hides its copy the same way, with
+    ``torch.autograd._unsafe_preserve_version_counter``. Checked against torch 2.13.
+    """
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        for buffer, value in zip(buffers, values):
+            buffer.copy_(value)

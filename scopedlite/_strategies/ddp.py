@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.ddp_join import DDPReplay, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group import ProcessGroupStrategy
-from scopedlite._strategies.replay import ReplayJoin
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
 
@@ -110,11 +109,12 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
             )
         return module.no_sync() if enabled else contextlib.nullcontext()
 
-    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
-        modules = tuple(m for m in (ref() for ref in self._modules) if m is not None)
-        optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
-        models = tuple(joinables) or modules
-        refuse_what_join_cannot_replay(models, modules, optimizers)
-        replayer = DDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
-        return ReplayJoin(self, replayer, models, optimizers, divide_by_initial_world_size)
+    def join_models(self) -> list[torch.nn.Module]:
+        return [m for m in (ref() for ref in self._modules) if m is not None]
 
+    def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
+        return self.optimizers_of(models, [ref() for ref in self._optimizers])
+
+    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DDPReplay:
+        refuse_what_join_cannot_replay(models, optimizers)
+        return DDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)

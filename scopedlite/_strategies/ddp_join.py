@@ -1,38 +1,49 @@
-"""The DDP side of ``lite.join``: hooks and replays for the replay session (see replay.py).
+"""The DDP side of ``lite.join``: hooks and replays for the session (see replay.py).
 
-DDP joins the same way as the sharded strategies: a rank out of data replays each forward on
-a cached input and each backward with zero output gradients, so it takes part in DDP's own
-collectives (the gradient all-reduce, the unused-parameter search, buffer broadcasts, bucket
-rebuilds) exactly as the active ranks do, contributing zeros, and steps its optimizer with the
-averaged gradients like everyone else. This replaces torch's ``Join``, whose joined ranks
-shadow the backward all-reduce at forward time: a user collective between forward and backward
-then meets that all-reduce and the run aborts.
+A serving rank replays each forward on a cached input and each backward with zero output
+gradients, so it takes part in DDP's own collectives (the gradient all-reduce, the
+unused-parameter search, bucket rebuilds) as the running ranks do, and steps its optimizer
+with the averaged gradients like everyone else. The result is that of torch's own ``Join``
+over DDP, which the tests check scenario by scenario:
 
-- DDP decides at forward time whether the backward syncs (``require_backward_grad_sync``,
-  which ``no_sync`` clears): the forward announcement carries it, and a joined rank replays
-  under ``no_sync`` when the active ranks did.
-- ``divide_by_initial_world_size=False``: DDP always averages over the world, so the active
-  ranks' output gradients are scaled by ``world_size / active`` in the backward announcement.
+- **A serving rank contributes zero.** Before a synchronised replayed backward its gradients
+  are set aside, so whatever it holds (the average of the last step, which a module's own
+  ``zero_grad()`` or ``param.grad = None`` on the running ranks cleared there) adds nothing;
+  parameters the all-reduce does not reach get theirs back. Only the micro-batches it ran
+  itself inside ``no_backward_sync`` before running out are contributed, at the first
+  synchronised backward after.
+- **Buffers come from the highest running rank** before each forward that syncs them, as
+  under torch's ``Join`` (DDP alone takes rank 0's, which may have left): DDP's own buffer
+  broadcast is switched off for the block and done here instead.
+- **The final model is the last joiner's.** When every rank has left, parameters (and
+  buffers, where DDP syncs them) are broadcast from the highest of the last ranks to leave,
+  as torch's ``_sync_final_model`` does: a model updated by hand on the running ranks only,
+  or a schedule of ``no_sync`` steps, ends the same on every rank.
+- ``divide_by_initial_world_size=False``: DDP always averages over the world, so the running
+  ranks' output gradients are scaled by ``world_size / running`` in the backward announcement.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._strategies.replay import announce_forwards
+from scopedlite._private.torch_internals import overwrite_buffers
+from scopedlite._strategies.join_replayer import announce_forwards
 
 if TYPE_CHECKING:
-    from scopedlite._strategies.replay import ReplayJoin
+    from scopedlite._strategies.replay import ReplaySession
 
-__all__ = ["DDPReplay"]
+__all__ = ["DDPReplay", "refuse_what_join_cannot_replay"]
 
 
 class DDPReplay:
-    """Hooks and replays of DDP models for :class:`~scopedlite._strategies.replay.ReplayJoin`."""
+    """Hooks and replays of DDP models for :class:`~scopedlite._strategies.replay.ReplaySession`."""
 
     records_steps = True
 
@@ -41,27 +52,54 @@ class DDPReplay:
         self.models = models
         self.divide = divide_by_initial_world_size
         self.world_size = world_size
+        self._buffers = [m.forward_sync_buffers for m in models]  # DDP's setting, restored on close
+        self._synced = [_buffers(m) for m in models]  # the buffers DDP would broadcast
 
-    def install(self, session: ReplayJoin) -> contextlib.ExitStack:
+    def install(self, session: ReplaySession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, model in enumerate(self.models):
             announce_forwards(stack, session, index, model)
+            model.forward_sync_buffers = False  # synced by the session, from a running rank
+            stack.callback(setattr, model, "forward_sync_buffers", self._buffers[index])
         return stack
+
+    def module(self, index: int) -> torch.nn.Module:
+        return self.models[index].module
+
+    def zero_grad_owners(self) -> list[tuple[int, torch.nn.Module]]:
+        return [owner for i, m in enumerate(self.models) for owner in ((i, m), (i, m.module))]
+
+    def sync_flag(self, index: int) -> bool:
+        return bool(self.models[index].require_backward_grad_sync)
+
+    def buffer_flag(self, index: int) -> bool:
+        model = self.models[index]
+        return bool(self._buffers[index] and self._synced[index] and model.require_forward_param_sync)
+
+    def sync_buffers(self, index: int, source: int) -> None:
+        _broadcast_coalesced(self._synced[index], source, self.strategy.comm_device)
 
     def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
         model = self.models[index]
         with model.no_sync() if not sync else contextlib.nullcontext():
             return model(*args, **kwargs)
 
-    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
-        if outputs:
-            torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
+        if not outputs:
+            return
+        params = [p for p in self.models[index].parameters() if p.requires_grad]
+        held = [p.grad for p in params] if sync and not keep_own else None
+        if held is not None:
+            for p in params:
+                p.grad = None  # contribute zero
+        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+        if held is not None:
+            for p, grad in zip(params, held):
+                if p.grad is None:  # not reduced this step (unused everywhere): as it was
+                    p.grad = grad
 
     def step(self, index: int) -> None:
         raise AssertionError("DDP's optimizer step is local: it travels as an event")
-
-    def sync_flag(self, index: int) -> bool:
-        return bool(self.models[index].require_backward_grad_sync)
 
     def output_scale(self, count: int) -> float:
         return 1.0 if self.divide else self.world_size / count
@@ -69,25 +107,43 @@ class DDPReplay:
     def active_count(self, count: int) -> None:
         pass  # output_scale reads the count
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
-        return self.strategy.clip_gradients(self.models[0], optimizer, max_norm, clip_val, norm_type=norm_type)
+    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(self.models[index], optimizer, max_norm, clip_val, norm_type=norm_type)
+
+    def finish(self, authoritative: int) -> None:
+        for index, model in enumerate(self.models):
+            ignored = model.parameters_to_ignore
+            tensors = [p for n, p in model.module.named_parameters() if n not in ignored]
+            if self._buffers[index]:
+                tensors += self._synced[index]
+            _broadcast_coalesced(tensors, authoritative, self.strategy.comm_device)
 
 
-def refuse_what_join_cannot_replay(
-    models: tuple[Any, ...], modules: tuple[DistributedDataParallel, ...], optimizers: tuple[torch.optim.Optimizer, ...]
-) -> None:
-    """Raise, before the loop starts, for what a joined rank cannot mirror."""
-    from torch.distributed.optim import (
-        ZeroRedundancyOptimizer,  # lazy: ~0.25 s to import
-    )
+def _buffers(model: DistributedDataParallel) -> list[torch.Tensor]:
+    ignored = model.parameters_to_ignore
+    return [b for n, b in model.module.named_buffers() if n not in ignored]
 
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
+    """Broadcast ``tensors`` from rank ``source`` in place, one message per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+        dist.broadcast(flat, src=source)
+        values, offset = [], 0
+        for tensor in group:
+            values.append(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+        overwrite_buffers(group, values)
+
+
+def refuse_what_join_cannot_replay(models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Raise, before the loop starts, for what a serving rank cannot mirror."""
+    # Only a program that imported it can hold one; importing it here would cost ~0.3 s.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     for model in models:
-        if not any(model is m for m in modules):
-            raise TypeError(
-                f"lite.join takes the models returned by lite.setup, got a {type(model).__name__} "
-                "that was not set up in this run. Use `model = lite.setup(model)` and then "
-                "`with lite.join(model):`."
-            )
         if getattr(model, "static_graph", False):
             raise ValueError(
                 "lite.join cannot be used with DDP's static_graph=True: with uneven inputs "
@@ -96,7 +152,7 @@ def refuse_what_join_cannot_replay(
                 "with uneven inputs."
             )
     for optimizer in optimizers:
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
             raise ValueError(  # noqa: TRY004 (a valid optimizer, one join cannot mirror)
                 "lite.join cannot be used with torch's ZeroRedundancyOptimizer: its step "
                 "broadcasts each rank's shard, a collective a rank that ran out of data cannot "

@@ -1,20 +1,16 @@
-"""What ``lite.join`` does under each kind of strategy.
+"""Our collectives inside a ``lite.join`` session, and what the session shares with them.
 
 ``NoJoin`` (one process): nothing.
 
-``ProcessGroupJoin``: the part of the join session every strategy over one process group
-shares - our collectives stay correct after ranks run out of data. The session itself, with
-its rounds and the per-strategy replay of forwards, backwards and optimizer steps, is
-``ReplayJoin`` (``replay.py``); this base holds what a round of one of our collectives does
-once it has been announced:
+``JoinCollectives``: ``lite.all_reduce``/``all_gather``/``broadcast``/``barrier`` once some
+rank serves (``replay.py``). The session announces each one in a round whose openers carry
+its :class:`~join_message.Header` (kind, op, dtype, shape, source) and its call site; the
+running ranks have checked there that they all asked for the same thing, from the same
+line. Then the payload travels, and the ranks that serve take part with a neutral value:
+zero for sums and means, -inf/+inf (or the dtype's limits) for max/min, rows that are
+dropped for gathers. A mean divides by the number of running ranks.
 
-- every rank all-gathers a small header (active flag, kind, op, dtype, shape, source), the
-  active ranks check that they asked for the same thing, and ranks that have left take part
-  in the payload with a neutral value: zero for sums and means, -inf/+inf (or the dtype's
-  limits) for max/min, rows that are dropped for gathers. A mean divides by the number of
-  active ranks, which the headers tell.
-
-Because a joined rank learns from each round what comes next, our collectives may sit
+Because a serving rank learns from each round what comes next, our collectives may sit
 anywhere in the loop and a rank with no batch at all works too. torch's Join alone gets these
 wrong (see BACKENDS.md).
 """
@@ -26,7 +22,7 @@ import functools
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,22 +36,20 @@ from scopedlite._comm.wire import (
     to_bytes,
     wire_dtype,
 )
+from scopedlite._strategies.join_message import Header
 
 if TYPE_CHECKING:
-    from scopedlite._strategies.base import Strategy
+    from scopedlite._strategies.join_message import Round
 
-__all__ = ["ABORT", "NoJoin", "PEER_LEFT", "PeerLeftJoinError", "ProcessGroupJoin", "refuse_raw_collectives"]
+__all__ = [
+    "BARRIER", "BROADCAST", "GATHER", "OPS", "REDUCE",
+    "JoinCollectives", "NoJoin", "PEER_LEFT", "PeerLeftJoinError", "refuse_raw_collectives",
+]
 
-_REDUCE, _GATHER, _BROADCAST, _BARRIER = 1, 2, 3, 4
-_OPS = ("sum", "mean", "max", "min")
-# header: active, kind, op, dtype, ndim, shape[8], src, payload kind (1 tensor, 2 bytes)
-_H_ACTIVE, _H_KIND, _H_OP, _H_DTYPE, _H_NDIM, _H_SHAPE, _H_SRC, _H_PAYLOAD = 0, 1, 2, 3, 4, 5, 13, 14
-_HEADER = 15
-_PAYLOAD_TENSOR, _PAYLOAD_BYTES = 1, 2
+REDUCE, GATHER, BROADCAST, BARRIER = 1, 2, 3, 4
+OPS = ("sum", "mean", "max", "min")
+_TENSOR, _BYTES = 1, 2
 
-
-# An opener count no sum of active (1) and joined (0) ranks can reach: a rank left by an exception.
-ABORT = -1.0e6
 PEER_LEFT = (
     "Another rank left lite.join by an exception (its own error says which and why), so the "
     "ranks can no longer run the block's collectives together. This rank stops here too; "
@@ -70,133 +64,98 @@ class PeerLeftJoinError(RuntimeError):
 class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
     """One process has nothing to wait for."""
 
+    def loader_pass(self, length: int | None) -> None:
+        return None
 
-class ProcessGroupJoin:
-    """Our collectives inside a join session over one process group.
 
-    A subclass announces each of our collectives to the ranks that have left
-    (:meth:`_announce_collective`) and, on those ranks, calls :meth:`_shadow_ours` when one
-    was announced.
+class JoinCollectives:
+    """The payload side of our collectives inside a join session.
+
+    Args:
+        announce: Opens the round of a collective on a running rank and returns it.
+        rank: This rank.
+        world_size: The number of ranks.
+        device: Where payloads travel (the strategy's comm device).
     """
 
-    strategy: Strategy
-    world_size: int
-    rank: int
-    device: torch.device
+    def __init__(self, announce: Callable[[Header], Round], rank: int, world_size: int, device: torch.device) -> None:
+        self.announce = announce
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
 
-    def _announce_collective(self) -> None:
-        """Open a round that one of our collectives follows."""
-        raise NotImplementedError
-
-    def _shadow_ours(self) -> None:
-        headers = self._exchange_headers(torch.zeros(_HEADER, dtype=torch.int64))
-        active = headers[headers[:, _H_ACTIVE] == 1]
-        first = active[0]
-        kind = int(first[_H_KIND])
-        if kind == _REDUCE:
-            op = _OPS[int(first[_H_OP])]
-            dtype = DTYPES[int(first[_H_DTYPE])]
-            neutral = torch.full(_shape(first), neutral_value(dtype, op), dtype=dtype, device=self.device)
-            dist.all_reduce(neutral, op=TORCH_OPS[op])
-        elif kind == _GATHER:
-            dtype = DTYPES[int(first[_H_DTYPE])]
-            zeros = torch.zeros(_shape(first), dtype=dtype, device=self.device)
-            dist.all_gather([torch.empty_like(zeros) for _ in range(self.world_size)], zeros)
-        elif kind == _BROADCAST:
-            src = int(first[_H_SRC])
-            if headers[src, _H_ACTIVE] == 1:
-                source = headers[src]
-                dtype = DTYPES[int(source[_H_DTYPE])]
-                dist.broadcast(torch.empty(_shape(source), dtype=dtype, device=self.device), src=src)
-        # _BARRIER: the opener and the headers were the barrier
-
-    # -- our collectives on an active rank -------------------------------------------------------
-    def _open(self, kind: int, op: str = "sum", tensor: torch.Tensor | None = None, src: int = 0, payload: int = _PAYLOAD_TENSOR) -> torch.Tensor:
-        self._announce_collective()
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[_H_ACTIVE], header[_H_KIND], header[_H_OP] = 1, kind, _OPS.index(op)
-        header[_H_SRC], header[_H_PAYLOAD] = src, payload
-        if tensor is not None:
-            if tensor.dim() > MAX_DIMS:
-                raise ValueError(f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}.")
-            header[_H_DTYPE], header[_H_NDIM] = DTYPES.index(tensor.dtype), tensor.dim()
-            header[_H_SHAPE : _H_SHAPE + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        headers = self._exchange_headers(header)
-        self._check_agreement(headers, kind)
-        return headers
-
-    def _exchange_headers(self, header: torch.Tensor) -> torch.Tensor:
-        header = header.to(self.device)
-        parts = [torch.empty_like(header) for _ in range(self.world_size)]
-        dist.all_gather(parts, header)
-        return torch.stack(parts).cpu()
-
-    def _check_agreement(self, headers: torch.Tensor, kind: int) -> None:
-        active = headers[headers[:, _H_ACTIVE] == 1]
-        fields = [_H_KIND, _H_SRC] if kind == _BROADCAST else [_H_KIND, _H_OP, _H_DTYPE, _H_NDIM, *range(_H_SHAPE, _H_SHAPE + MAX_DIMS)]
-        if not bool((active[:, fields] == active[0, fields]).all()):
-            ranks = [int(r) for r in (headers[:, _H_ACTIVE] == 1).nonzero().flatten()]
-            described = "; ".join(f"rank {r}: {_describe(headers[r])}" for r in ranks)
-            raise RuntimeError(
-                "The active ranks called different collectives inside lite.join: "
-                f"{described}. Every rank must call the same collectives in the same order."
-            )
-
+    # -- a running rank ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         original = tensor
         work = tensor.detach().to(device=self.device, dtype=wire_dtype(tensor.dtype, op), copy=True)
-        headers = self._open(_REDUCE, op, work)
-        active = int((headers[:, _H_ACTIVE] == 1).sum())
+        round_ = self.announce(Header(REDUCE, OPS.index(op), *_describe_tensor(work)))
         dist.all_reduce(work, op=TORCH_OPS[op])
         if op == "mean":
-            work = work / active
+            work = work / len(round_.runners)
         elif original.dtype == torch.bool:
             work = work.bool()
         return work.to(original.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         work = tensor.detach().to(self.device).contiguous()
-        headers = self._open(_GATHER, "sum", work)
+        round_ = self.announce(Header(GATHER, 0, *_describe_tensor(work)))
         parts = [torch.empty_like(work) for _ in range(self.world_size)]
         dist.all_gather(parts, work)
-        active = [r for r in range(self.world_size) if headers[r, _H_ACTIVE] == 1]
-        return torch.stack([parts[r] for r in active]).to(tensor.device)
+        return torch.stack([parts[r] for r in round_.runners]).to(tensor.device)
 
     def broadcast(self, obj: Any, src: int) -> Any:
         payload: torch.Tensor | None = None
-        payload_kind = _PAYLOAD_TENSOR
+        kind = _TENSOR
         if self.rank == src:
             if isinstance(obj, torch.Tensor) and obj.dim() <= MAX_DIMS and obj.dtype in DTYPES:
                 payload = obj.detach().to(self.device).contiguous().clone()
             else:
                 payload = to_bytes(obj).to(self.device)
-                payload_kind = _PAYLOAD_BYTES
-        headers = self._open(_BROADCAST, "sum", payload, src=src, payload=payload_kind)
-        if headers[src, _H_ACTIVE] != 1:
+                kind = _BYTES
+        described = _describe_tensor(payload) if payload is not None else (0, ())
+        round_ = self.announce(Header(BROADCAST, 0, described[0], described[1], src, kind))
+        if src not in round_.runners:
             raise RuntimeError(
                 f"lite.broadcast(src={src}) inside lite.join: rank {src} has already run out of "
                 "data and left the join block, so it cannot send. Broadcast from a rank that "
                 "stays active (e.g. before the loop), or after the join block."
             )
-        source = headers[src]
+        source = round_.openers[src].header
         if payload is None:
-            payload = torch.empty(_shape(source), dtype=DTYPES[int(source[_H_DTYPE])], device=self.device)
+            payload = torch.empty(source.shape, dtype=source.torch_dtype, device=self.device)
         dist.broadcast(payload, src=src)
-        if int(source[_H_PAYLOAD]) == _PAYLOAD_BYTES:
-            return from_bytes(payload)
-        return payload
+        return from_bytes(payload) if source.payload == _BYTES else payload
 
     def barrier(self) -> None:
-        self._open(_BARRIER)
+        self.announce(Header(BARRIER))
 
-    def clip_gradients(self, module: Any, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float = 2.0) -> Any:
-        """Clipping that needs nothing of the ranks that have left."""
-        return self.strategy.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=norm_type)
+    # -- a serving rank --------------------------------------------------------------------------
+    def serve(self, round_: Round) -> None:
+        """Take part in the collective the running ranks announced, with a neutral value."""
+        header = round_.step.header
+        if header.collective == REDUCE:
+            op = OPS[header.op]
+            dtype = header.torch_dtype
+            neutral = torch.full(header.shape, neutral_value(dtype, op), dtype=dtype, device=self.device)
+            dist.all_reduce(neutral, op=TORCH_OPS[op])
+        elif header.collective == GATHER:
+            zeros = torch.zeros(header.shape, dtype=header.torch_dtype, device=self.device)
+            dist.all_gather([torch.empty_like(zeros) for _ in range(self.world_size)], zeros)
+        elif header.collective == BROADCAST and header.src in round_.runners:
+            source = round_.openers[header.src].header
+            dist.broadcast(torch.empty(source.shape, dtype=source.torch_dtype, device=self.device), src=header.src)
+        # BARRIER: the round was the barrier
+
+
+def _describe_tensor(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}.")
+    return DTYPES.index(tensor.dtype), tuple(tensor.shape)
 
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
     "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
     "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
     "barrier", "monitored_barrier",
@@ -213,7 +172,7 @@ _DEEPSPEED_DIR = (
 # The scopedlite package (this file is in scopedlite/_strategies/).
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-               "all_gather_object": "all_gather", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
+               "all_gather_single": "all_gather", "all_gather_object": "all_gather", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
                "barrier": "barrier", "monitored_barrier": "barrier"}
 
 
@@ -261,19 +220,3 @@ def _guarded(name: str, original: Any) -> Any:
 
     guarded.__scopedlite_join_guard__ = True  # type: ignore[attr-defined]
     return guarded
-
-
-def _shape(header: torch.Tensor) -> list[int]:
-    ndim = int(header[_H_NDIM])
-    return [int(v) for v in header[_H_SHAPE : _H_SHAPE + ndim]]
-
-
-def _describe(header: torch.Tensor) -> str:
-    kind = {_REDUCE: "all_reduce", _GATHER: "all_gather", _BROADCAST: "broadcast", _BARRIER: "barrier"}.get(int(header[_H_KIND]), "?")
-    if kind == "all_reduce":
-        return f"all_reduce(op={_OPS[int(header[_H_OP])]!r}, shape={tuple(_shape(header))}, dtype={DTYPES[int(header[_H_DTYPE])]})"
-    if kind == "all_gather":
-        return f"all_gather(shape={tuple(_shape(header))}, dtype={DTYPES[int(header[_H_DTYPE])]})"
-    if kind == "broadcast":
-        return f"broadcast(src={int(header[_H_SRC])})"
-    return kind

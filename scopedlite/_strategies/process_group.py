@@ -2,7 +2,9 @@
 
 DDP, FSDP and DeepSpeed differ in how they wrap modules and optimizers, not in how their
 processes meet or how our collectives travel: the backend option and its checks, the start
-(bind the GPU, create the group) and stop, and the four collectives live here once.
+(bind the GPU, create the group) and stop, the four collectives and the ``join`` template
+(one :class:`~scopedlite._strategies.replay.ReplaySession` with a replayer per backend) live
+here once.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from scopedlite._comm import process_group as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
+from scopedlite._strategies.join_replayer import Replayer
+from scopedlite._strategies.replay import ReplaySession
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -73,6 +78,7 @@ class ProcessGroupStrategy(Strategy):
         self.placement = placement
         self._backend = self.backend(placement.accelerator)
         self._comm_device = _distributed.comm_device(self._backend, placement.device)
+        self._join_group: Any = None
         if placement.accelerator == "cuda":
             torch.cuda.set_device(placement.device)
         _distributed.init_process_group(
@@ -80,6 +86,7 @@ class ProcessGroupStrategy(Strategy):
         )
 
     def stop(self) -> None:
+        self._join_group = None
         _distributed.destroy_process_group()
 
     # -- collectives over the default group ---------------------------------------------
@@ -95,3 +102,52 @@ class ProcessGroupStrategy(Strategy):
 
     def barrier(self) -> None:
         _distributed.barrier(self._backend, self.placement.device)
+
+    # -- lite.join: one template, a replayer per backend -------------------------------------
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplaySession:
+        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/replay.py``)."""
+        models = self.join_models()
+        for joinable in joinables:
+            if not any(joinable is m for m in models):
+                raise TypeError(
+                    f"lite.join takes the models returned by lite.setup, got a "
+                    f"{type(joinable).__name__} that was not set up in this run. Use "
+                    "`model = lite.setup(model)` (or `model, opt = lite.setup(model, opt)`) and "
+                    "then `with lite.join(model):`."
+                )
+        chosen = tuple(joinables) or tuple(models)
+        optimizers = self.join_optimizers(chosen)
+        replayer = self.join_replayer(chosen, optimizers, divide_by_initial_world_size)
+        return ReplaySession(self, replayer, chosen, optimizers, self._openers_group())
+
+    def join_models(self) -> list[torch.nn.Module]:
+        """The models set up in this run and still referenced, in setup order."""
+        raise NotImplementedError
+
+    def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers a join over ``models`` mirrors, in setup order."""
+        raise NotImplementedError
+
+    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> Replayer:
+        """This backend's hooks and replays (checks what it cannot replay first)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def optimizers_of(models: tuple[torch.nn.Module, ...], optimizers: list[Any]) -> tuple[torch.optim.Optimizer, ...]:
+        """Of the run's live optimizers (weak references), those that update ``models``: one
+        of a model dropped earlier may still await the garbage collector on one rank and not
+        on another, and every rank must mirror the same ones."""
+        params = {id(p) for model in models for p in model.parameters()}
+        return tuple(
+            o for o in optimizers
+            if o is not None and any(id(p) in params for group in o.param_groups for p in group["params"])
+        )
+
+    def _openers_group(self) -> Any:
+        """Where the join protocol's openers travel: a CPU group, so that no round waits for
+        the device (under NCCL a gloo group beside it, created at the first join)."""
+        if self._backend != "nccl":
+            return None
+        if self._join_group is None:
+            self._join_group = dist.new_group(backend="gloo")
+        return self._join_group

@@ -1,7 +1,8 @@
 """Uneven data under lite.join: training, collectives everywhere in the loop, no_grad eval.
 
-argv: strategy devices n batch_size [divide]   (divide: 1 = divide_by_initial_world_size)
-Rank 0 writes what every rank saw and computed.
+argv: strategy devices configs   (configs: "n:batch_size:divide,..." with divide 1 for
+divide_by_initial_world_size; several configurations share one launch)
+Rank 0 writes what every rank saw and computed, per configuration.
 """
 
 import sys
@@ -11,8 +12,8 @@ import torch
 import scopedlite as lite
 from _common import make_data, make_model, params, write
 
-strategy, devices, n, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-divide = len(sys.argv) <= 5 or sys.argv[5] == "1"
+strategy, devices = sys.argv[1], int(sys.argv[2])
+configs = [tuple(int(v) for v in c.split(":")) for c in sys.argv[3].split(",")]
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -27,8 +28,7 @@ class Indexed(torch.utils.data.Dataset):
         return i, x, y
 
 
-with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
-    rank = run.global_rank
+def run_config(rank, n, batch_size, divide):
     model = make_model()
     model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(Indexed(n), batch_size=batch_size))
@@ -76,6 +76,11 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     metric = lite.all_reduce(torch.tensor([total, float(count)], dtype=torch.float64), op="sum")
     record["metric"] = metric.tolist()
     record["params"] = params(lite.current().strategy.unwrap(model))
-    everyone = [lite.broadcast(record, src=r) for r in range(run.world_size)]
-    if rank == 0:
+    return record
+
+
+with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
+    records = [run_config(run.global_rank, n, b, d == 1) for n, b, d in configs]
+    everyone = [lite.broadcast(records, src=r) for r in range(run.world_size)]
+    if run.global_rank == 0:
         write(everyone)

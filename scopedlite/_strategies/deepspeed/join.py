@@ -1,4 +1,4 @@
-"""The DeepSpeed side of ``lite.join``: hooks and replays for the replay session (see replay.py).
+"""The DeepSpeed side of ``lite.join``: hooks and replays for the session (see replay.py).
 
 DeepSpeed's public engine methods are wrapped on the instance for the block:
 
@@ -6,15 +6,17 @@ DeepSpeed's public engine methods are wrapped on the instance for the block:
   inside it) and wraps the outputs so that their backward is announced too;
 - ``engine.step`` announces a round of its own: ZeRO's step is collective (gradient-norm and
   overflow all-reduces, the all-gather of updated partitions), so a joined rank must step too;
+- a backward inside ``lite.no_backward_sync`` (the engine's accumulation boundary lowered) is
+  replayed inside it too;
 - ``engine.backward`` scales the loss by ``world_size / active`` when
   ``divide_by_initial_world_size=False``: DeepSpeed always averages over the world and has no
   setter for the divisor.
 
 A joined rank replays the backward as ``engine.backward`` of a zero-weighted sum of the
-outputs the active ranks' loss used, so every hook and reduction of the engine runs as on the
-active ranks, with a zero contribution. ``zero_grad`` is the engine's business (it zeroes after
-each step) and ``lite.clip_gradients`` is refused by the strategy: clipping is the engine's
-``gradient_clipping``.
+outputs the running ranks' loss used, so every hook and reduction of the engine runs as on
+the running ranks, with a zero contribution. ``zero_grad`` is the engine's business (it
+zeroes after each step). ``lite.clip_gradients`` clips the engine's full gradients on every
+rank (a serving one too). Buffers are each rank's own, as DeepSpeed leaves them.
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from scopedlite._strategies.deepspeed.engines import accumulating
 from scopedlite._strategies.deepspeed.logs import filtered_warnings
-from scopedlite._strategies.replay import wrap_method
+from scopedlite._strategies.join_events import wrap_method
 
 if TYPE_CHECKING:
     from scopedlite._strategies.deepspeed.strategy import DeepSpeedStrategy
-    from scopedlite._strategies.replay import ReplayJoin
+    from scopedlite._strategies.replay import ReplaySession
 
 __all__ = ["DeepSpeedReplay"]
 
 
 class DeepSpeedReplay:
-    """Hooks and replays of DeepSpeed engines for :class:`~scopedlite._strategies.replay.ReplayJoin`."""
+    """Hooks and replays of DeepSpeed engines for :class:`~scopedlite._strategies.replay.ReplaySession`."""
 
     records_steps = False
 
@@ -46,7 +49,7 @@ class DeepSpeedReplay:
         self.world_size = world_size
         self.count = world_size
 
-    def install(self, session: ReplayJoin) -> contextlib.ExitStack:
+    def install(self, session: ReplaySession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, engine in enumerate(self.engines):
             forward, backward, step = engine.forward, engine.backward, engine.step
@@ -69,15 +72,28 @@ class DeepSpeedReplay:
             wrap_method(stack, engine, "step", announced_step)
         return stack
 
+    def module(self, index: int) -> torch.nn.Module:
+        return self.engines[index].module
+
+    def zero_grad_owners(self) -> list[tuple[int, torch.nn.Module]]:
+        return []  # the engine zeroes its gradients after each step
+
+    def buffer_flag(self, index: int) -> bool:
+        return False
+
+    def sync_buffers(self, index: int, source: int) -> None:
+        raise AssertionError("DeepSpeed does not synchronise buffers")
+
     def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
         return self.engines[index](*args, **kwargs)
 
-    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
+    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
         if not outputs:
             return
+        engine = self.engines[index]
         zero = sum((t.float() * 0).sum() for t in outputs)
-        with filtered_warnings():
-            self.engines[index].backward(zero)
+        with filtered_warnings(), accumulating(engine) if not sync else contextlib.nullcontext():
+            engine.backward(zero)
 
     def step(self, index: int) -> None:
         # Through the user's optimizer, as on the active ranks: its step is rerouted to the
@@ -87,7 +103,8 @@ class DeepSpeedReplay:
         (optimizer if optimizer is not None else engine).step()
 
     def sync_flag(self, index: int) -> bool:
-        return True  # DeepSpeed has no no_backward_sync: it accumulates by its config
+        # lite.no_backward_sync lowers the engine's boundary; its config may accumulate too
+        return bool(self.engines[index].is_gradient_accumulation_boundary())
 
     def output_scale(self, count: int) -> float:
         return 1.0  # the divisor is set by scaling the loss in engine.backward
@@ -95,5 +112,8 @@ class DeepSpeedReplay:
     def active_count(self, count: int) -> None:
         self.count = count
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
-        return self.strategy.clip_gradients(None, optimizer, max_norm, clip_val, norm_type=norm_type)
+    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(self.engines[index], optimizer, max_norm, clip_val, norm_type=norm_type)
+
+    def finish(self, authoritative: int) -> None:
+        pass  # each rank's partitions were stepped alike; buffers are each rank's own

@@ -47,7 +47,6 @@ from scopedlite._strategies.deepspeed.logs import (
     quiet_deepspeed,
 )
 from scopedlite._strategies.process_group import ProcessGroupStrategy
-from scopedlite._strategies.replay import ReplayJoin
 from scopedlite._strategies.reroute import reroute_step
 
 if TYPE_CHECKING:
@@ -345,26 +344,21 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             )
         return module
 
-    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplayJoin:
-        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/replay.py``)."""
-        for joinable in joinables:
-            if not any(joinable is engine for engine in self._engines):
-                raise TypeError(
-                    f"lite.join takes the models returned by lite.setup, got a "
-                    f"{type(joinable).__name__} that was not set up in this run. Use "
-                    "`model, opt = lite.setup(model, opt)` and then `with lite.join(model):`."
-                )
-        engines = tuple(joinables) or tuple(self._engines)
-        optimizers = tuple(getattr(engine, "_lite_user_optimizer", None) for engine in engines)
+    def join_models(self) -> list[torch.nn.Module]:
+        return self._engines
+
+    def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
+        optimizers = tuple(getattr(engine, "_lite_user_optimizer", None) for engine in models)
         if any(o is None for o in optimizers) and not all(o is None for o in optimizers):
             raise ValueError(
                 "lite.join under strategy='deepspeed' takes either models set up with their "
                 "optimizer (training) or models set up alone (evaluation), not both at once. "
                 "Use one join block for each."
             )
-        known = tuple(o for o in optimizers if o is not None)
-        replayer = DeepSpeedReplay(self, engines, divide_by_initial_world_size, self.placement.world_size)
-        return ReplayJoin(self, replayer, engines, known, divide_by_initial_world_size)
+        return tuple(o for o in optimizers if o is not None)
+
+    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DeepSpeedReplay:
+        return DeepSpeedReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
 
     # -- checkpoints: the engine's sharded directory (see checkpoint.py) ------------------
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The FSDP2 side of ``lite.join``: hooks and replays for the replay session (see replay.py).
+"""The FSDP2 side of ``lite.join``: hooks and replays for the session (see replay.py).
 
 - Forward: a pre-hook on each root, registered *prepended* and after ``fully_shard`` (FSDP2
   prepends its own all-gather hook; a hook behind it would meet the all-gather on a joined
@@ -7,7 +7,12 @@
 - Backward on a joined rank: ``torch.autograd.backward`` through the outputs the active ranks'
   loss used, with zero gradients, under the same gradient-sync flag (tracked by wrapping the
   public ``set_requires_gradient_sync`` on the root, which ``lite.no_backward_sync`` calls).
-- ``optimizer.step``/``zero_grad`` have no collectives under FSDP2: they are events.
+- ``optimizer.step``/``zero_grad`` (and the model's own ``zero_grad``) have no collectives
+  under FSDP2: they are events.
+- A serving rank's replayed backward adds zeros to the reduce-scatter; what it accumulated
+  itself inside ``no_backward_sync`` before running out goes with the first synchronised one.
+- Buffers (BatchNorm statistics) are each rank's own under FSDP2, which never synchronises
+  them; a replayed forward leaves a serving rank's as they were.
 - ``divide_by_initial_world_size=False``: every FSDP module divides the reduced gradients by
   the number of active ranks (``set_gradient_divide_factor``); gloo has no PREMUL_SUM, so the
   reduction is forced to a plain sum followed by that division. After the block the factor is
@@ -21,17 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scopedlite._strategies.replay import announce_forwards, wrap_method
+from scopedlite._strategies.join_events import wrap_method
+from scopedlite._strategies.join_replayer import announce_forwards
 
 if TYPE_CHECKING:
     from scopedlite._strategies.fsdp.strategy import FSDPStrategy
-    from scopedlite._strategies.replay import ReplayJoin
+    from scopedlite._strategies.replay import ReplaySession
 
 __all__ = ["FSDPReplay"]
 
 
 class FSDPReplay:
-    """Hooks and replays of FSDP2 roots for :class:`~scopedlite._strategies.replay.ReplayJoin`."""
+    """Hooks and replays of FSDP2 roots for :class:`~scopedlite._strategies.replay.ReplaySession`."""
 
     records_steps = True
 
@@ -47,7 +53,7 @@ class FSDPReplay:
 
         return [m for root in self.roots for m in root.modules() if isinstance(m, FSDPModule)]
 
-    def install(self, session: ReplayJoin) -> contextlib.ExitStack:
+    def install(self, session: ReplaySession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, root in enumerate(self.roots):
             announce_forwards(stack, session, index, root)
@@ -66,10 +72,22 @@ class FSDPReplay:
             stack.callback(self.active_count, self.world_size)
         return stack
 
+    def module(self, index: int) -> torch.nn.Module:
+        return self.roots[index]
+
+    def zero_grad_owners(self) -> list[tuple[int, torch.nn.Module]]:
+        return list(enumerate(self.roots))
+
+    def buffer_flag(self, index: int) -> bool:
+        return False
+
+    def sync_buffers(self, index: int, source: int) -> None:
+        raise AssertionError("FSDP2 does not synchronise buffers")
+
     def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
         return self.roots[index](*args, **kwargs)
 
-    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool) -> None:
+    def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
         if not outputs:
             return
         root: Any = self.roots[index]
@@ -96,5 +114,8 @@ class FSDPReplay:
         for module in self._fsdp_modules():
             module.set_gradient_divide_factor(float(count))
 
-    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
-        return self.strategy.clip_gradients(self.roots[0], optimizer, max_norm, clip_val, norm_type=norm_type)
+    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+        return self.strategy.clip_gradients(self.roots[index], optimizer, max_norm, clip_val, norm_type=norm_type)
+
+    def finish(self, authoritative: int) -> None:
+        pass  # each rank's shards were stepped alike; buffers are each rank's own

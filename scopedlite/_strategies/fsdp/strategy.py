@@ -30,7 +30,6 @@ from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.fsdp.join import FSDPReplay
 from scopedlite._strategies.process_group import ProcessGroupStrategy
-from scopedlite._strategies.replay import ReplayJoin
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -302,20 +301,14 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
         return _without_gradient_sync(module) if enabled else contextlib.nullcontext()
 
-    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplayJoin:
-        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/replay.py``)."""
-        modules = [m for m in (ref() for ref in self._modules) if m is not None]
-        for joinable in joinables:
-            if not any(joinable is m for m in modules):
-                raise TypeError(
-                    f"lite.join takes the models returned by lite.setup, got a "
-                    f"{type(joinable).__name__} that was not set up in this run. Use "
-                    "`model = lite.setup(model)` and then `with lite.join(model):`."
-                )
-        roots = tuple(joinables) or tuple(modules)
-        optimizers = tuple(o for o in (ref() for ref in self._optimizers) if o is not None)
-        replayer = FSDPReplay(self, roots, divide_by_initial_world_size, dist.get_world_size())
-        return ReplayJoin(self, replayer, roots, optimizers, divide_by_initial_world_size)
+    def join_models(self) -> list[torch.nn.Module]:
+        return [m for m in (ref() for ref in self._modules) if m is not None]
+
+    def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
+        return self.optimizers_of(models, [ref() for ref in self._optimizers])
+
+    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> FSDPReplay:
+        return FSDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
 
     # -- checkpoints ----------------------------------------------------------------------
     def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
