@@ -460,6 +460,8 @@ def _pick_launcher(requested: str, strategy: Strategy, world_size: int, machine:
                 "to re-execute (a notebook, a REPL, stdin, or pytest). Use launcher='fork' "
                 "or 'auto'."
             )
+        if machine.script_problem:
+            raise ValueError(f"launch cannot start its workers by re-executing the command line: {machine.script_problem}")
         if machine.launched_before:
             raise ValueError(
                 "launcher='script' cannot start a second multi-process launch block in one "
