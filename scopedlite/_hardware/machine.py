@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from scopedlite._hardware.program import this_program
 from scopedlite._hardware.xla import xla_device_count, xla_import_problem
@@ -39,6 +40,9 @@ class Machine:
             metadata server.
         xla_problem: Why torch_xla cannot be used (missing, or built for another torch), or
             None.
+        process_group: ``(rank, world size)`` of a default torch.distributed process group
+            that exists already in this process (made by Ray Train, a framework or the
+            script), which launch joins; None when there is none.
     """
 
     cuda_device_count: int = 0
@@ -50,6 +54,7 @@ class Machine:
     launched_before: bool = False
     xla_device_count: int = 0
     xla_problem: str | None = None
+    process_group: tuple[int, int] | None = None
 
     @classmethod
     def probe(cls, launched_before: bool = False) -> Machine:
@@ -69,7 +74,14 @@ class Machine:
             launched_before=launched_before,
             xla_device_count=xla_device_count(os.environ, installed=xla_problem is None),
             xla_problem=xla_problem,
+            process_group=_existing_group(),
         )
+
+
+def _existing_group() -> tuple[int, int] | None:
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _outside_a_session() -> bool:
