@@ -229,15 +229,20 @@ def _loopback_store(plan: Plan) -> Any:
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         port = listener.getsockname()[1]
+        options = {
+            "is_master": True,
+            "timeout": max(plan.timeout, start_timeout()),  # collectives are bounded by the group
+            "wait_for_workers": False,
+            "master_listen_fd": listener.fileno(),
+        }
+        try:
+            store = dist.TCPStore("127.0.0.1", port, plan.world_size, **options)
+        except NotImplementedError:
+            # torch 2.6-2.7: the default (libuv) store cannot take a listening socket, the
+            # other one can (torch's own use_libuv option).
+            store = dist.TCPStore("127.0.0.1", port, plan.world_size, use_libuv=False, **options)
     except BaseException:
         listener.close()
         raise
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        plan.world_size,
-        is_master=True,
-        timeout=max(plan.timeout, start_timeout()),  # collectives are bounded by the group
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),  # the store owns (and closes) it from here
-    )
+    listener.detach()  # the store owns (and closes) it from here
+    return store
