@@ -238,8 +238,8 @@ def _loopback_store(plan: Plan) -> Any:
         try:
             store = dist.TCPStore("127.0.0.1", port, plan.world_size, **options)
         except NotImplementedError:
-            # torch 2.6-2.7: the default (libuv) store cannot take a listening socket, the
-            # other one can (torch's own use_libuv option).
+            # Older torch (seen with 2.5 and 2.6): the libuv store cannot take a listening
+            # socket; the other one can (torch's own use_libuv option).
             store = dist.TCPStore("127.0.0.1", port, plan.world_size, use_libuv=False, **options)
     except BaseException:
         listener.close()

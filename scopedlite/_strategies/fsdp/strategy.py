@@ -35,7 +35,7 @@ from scopedlite._strategies.replay import ReplayJoin
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
 
-__all__ = ["FSDPStrategy", "bf16_cpu_problem", "fsdp2_problem", "release"]
+__all__ = ["FSDPStrategy", "fsdp2_problem", "release"]
 
 _STATE_DICT_TYPES = ("sharded", "full")
 
@@ -47,26 +47,10 @@ FSDP2_TORCH = "2.9"
 _FSDP2_NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "register_fsdp_forward_method")
 
 
-# With torch 2.9.0, precision="bf16-mixed" under FSDP2 on the CPU fails in backward
-# ("Found dtype Float but expected BFloat16"); the oldest release it was seen to work with:
-BF16_CPU_TORCH = "2.10"
-
-
 def release(version: str) -> tuple[int, int]:
     """``"2.9.0+cu128"`` -> ``(2, 9)``."""
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int(minor)
-
-
-def bf16_cpu_problem(accelerator: str, precision: str, version: str) -> str | None:
-    """Why precision="bf16-mixed" with strategy="fsdp" cannot run here, or None."""
-    if precision != "bf16-mixed" or accelerator != "cpu" or release(version) >= release(BF16_CPU_TORCH):
-        return None
-    return (
-        f"precision='bf16-mixed' with strategy='fsdp' on accelerator='cpu' needs torch>={BF16_CPU_TORCH} "
-        f"(with torch 2.9.0 FSDP2's backward fails: Found dtype Float but expected BFloat16), and this "
-        f"is torch {version}. Upgrade torch, or use precision='32-true', or strategy='ddp'."
-    )
 
 
 def fsdp2_problem(fsdp_module: Any, version: str) -> str | None:
@@ -164,9 +148,6 @@ class FSDPStrategy(ProcessGroupStrategy):
         problem = fsdp2_problem(torch.distributed.fsdp, torch.__version__)
         if problem:
             raise ImportError(problem)
-        problem = bf16_cpu_problem(accelerator, precision, torch.__version__)
-        if problem:
-            raise ValueError(problem)
         if self.cpu_offload and accelerator == "cpu":
             raise ValueError(
                 "FSDPStrategy(cpu_offload=True) moves shards from an accelerator to the CPU, "
