@@ -137,6 +137,10 @@ class Parent(Role):
                 )
             time.sleep(0.01)
 
+    def quiet(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.disarm()
+
     def exit(self, exc: BaseException | None) -> bool | None:
         self.end_signals()
         supervisor, run = self.supervisor, self.run
