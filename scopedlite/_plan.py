@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from scopedlite._cluster.environments import World, detect_world
+from scopedlite._cluster.environments import EXISTING_GROUP, World, detect_world, existing_group_world
 from scopedlite._core.precision import Precision, precision_for
 from scopedlite._hardware.machine import Machine
 from scopedlite._loggers.base import Logger, check_loggers
@@ -303,7 +303,14 @@ def resolve(
     chosen_timeout = _check_timeout(timeout)
     chosen_loggers = check_loggers(loggers)
 
-    world = detect_world(env)
+    world = existing_group_world(env, *machine.process_group) if machine.process_group else detect_world(env)
+    if world is not None and world.source == EXISTING_GROUP and timeout is not None:
+        raise ValueError(
+            f"launch(timeout={timeout!r}) sets the timeout of a process group launch creates, but "
+            "this process joins one made before launch (by Ray Train, a framework or the script), "
+            "whose timeout is its maker's. Give it there (init_process_group(timeout=...); Ray: "
+            "TorchConfig(timeout_s=...)) and remove timeout= from launch."
+        )
     accel = _pick_accelerator(requested_accelerator, requested_devices, machine)
     reason = chosen_precision.unsupported_reason(accel)
     if reason:
@@ -460,6 +467,8 @@ def _pick_launcher(requested: str, strategy: Strategy, world_size: int, machine:
                 "to re-execute (a notebook, a REPL, stdin, or pytest). Use launcher='fork' "
                 "or 'auto'."
             )
+        if machine.script_problem:
+            raise ValueError(f"launch cannot start its workers by re-executing the command line: {machine.script_problem}")
         if machine.launched_before:
             raise ValueError(
                 "launcher='script' cannot start a second multi-process launch block in one "

@@ -154,7 +154,8 @@ with lite.launch() as run:          # configured by the command line alone
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=8))
     losses = []
     for x, y in loader:
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out, y.to(out.dtype))  # float64 under 64-true
         lite.backward(loss)
         opt.step()
         opt.zero_grad()

@@ -1,4 +1,5 @@
-"""Detecting existing worlds (SLURM, MPI, LSF, Kubeflow) from plain environment mappings.
+"""Detecting existing worlds (SLURM, MPI, LSF, Kubeflow, a process group made before launch)
+from plain environment mappings.
 
 The variable sets below are what each tool really exports (SLURM 22.05, Open MPI 4.1 and
 jsrun/PyTorchJob as documented); the real SLURM and mpirun runs are in test_worlds.py.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from scopedlite._cluster.environments import World, derived_port, detect_world
+from scopedlite._cluster.environments import World, derived_port, detect_world, existing_group_world
 from scopedlite._cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from scopedlite._hardware.machine import Machine
 from scopedlite._plan import resolve
@@ -285,3 +286,58 @@ def test_resolver_refuses_a_launcher_inside_an_external_world():
 def test_resolver_in_an_sbatch_script_starts_its_own_ranks():
     plan = resolve(accelerator="cpu", devices=2, env=SBATCH, machine=Machine(cpu_count=2))
     assert plan.launcher == "script" and plan.world is None
+
+
+# -- a default process group that exists before launch (Ray Train, a framework, the script) --
+# What Ray Train 2.60 sets in the worker of rank 3 of 4, two per node (no TORCHELASTIC_RUN_ID).
+RAY_WORKER = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "41999"}
+
+
+@pytest.mark.parametrize(
+    ("env", "group", "place"),
+    [
+        (RAY_WORKER, (3, 4), (3, 1, 1, 4, 2)),
+        (RAY_WORKER | {"KUBERNETES_PORT": "tcp://10.0.0.1:443"}, (3, 4), (3, 1, 1, 4, 2)),  # KubeRay: LOCAL_RANK, not Kubeflow's 0
+        ({}, (1, 3), (1, 1, 0, 3, 3)),  # made by hand, no variables: every rank on this node
+        (MPIRUN, (1, 2), (1, 1, 0, 2, 2)),  # the launcher's local facts, though it gave no port
+        (HYDRA, (3, 4), (3, 1, 1, 4, 2)),
+        ({}, (0, 1), (0, 0, 0, 1, 1)),  # a group of one is joined too: launch may not make another
+    ],
+)
+def test_an_existing_group_is_a_world_with_its_ranks_and_the_environments_local_facts(env, group, place):
+    world = existing_group_world(env, *group)
+    assert world.source == "process_group"
+    assert (world.global_rank, world.local_rank, world.node_rank, world.world_size, world.local_world_size) == place
+
+
+def test_an_environment_that_disagrees_with_the_existing_group_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"rank 2 of 4\), but the environment says RANK=3 WORLD_SIZE=4"):
+        existing_group_world(RAY_WORKER, 2, 4)
+
+
+def _resolve_in_group(env, group, **kwargs):
+    return resolve(accelerator="cpu", env=env, machine=Machine(cpu_count=2, process_group=group), **kwargs)
+
+
+def test_resolver_joins_an_existing_group_before_any_launcher_environment():
+    plan = _resolve_in_group(RAY_WORKER, (3, 4))
+    assert (plan.launcher, plan.world_size, plan.local_world_size, plan.num_nodes, plan.world.source) == ("join", 4, 2, 2, "process_group")
+    assert plan.strategy.name == "ddp"
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1"}
+    assert _resolve_in_group(torchrun, (0, 1)).world.source == "process_group"  # never a second group
+    assert _resolve_in_group({}, (0, 1), strategy="single").launcher == "join"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "asked"),
+    [({"devices": 3}, "3 process(es) per node on 1 node(s)"), ({"num_nodes": 2}, "2 process(es) per node on 2 node(s)")],
+)
+def test_resolver_refuses_a_size_that_disagrees_with_the_existing_group_naming_both(kwargs, asked):
+    with pytest.raises(ValueError) as info:
+        _resolve_in_group({}, (0, 2), **kwargs)
+    assert asked in str(info.value) and "the process_group world has 2 per node and 2 in all" in str(info.value)
+
+
+def test_resolver_refuses_a_timeout_for_a_group_it_did_not_make():
+    with pytest.raises(ValueError, match=r"launch\(timeout=30\).*TorchConfig\(timeout_s=...\)"):
+        _resolve_in_group(RAY_WORKER, (3, 4), timeout=30)

@@ -1,8 +1,9 @@
-"""Launching from a script, -m and -c; code after the block runs once; failures end fast."""
+"""Launching from a script, -m and -c (whatever the script did to sys.argv); code after the block runs once; failures end fast."""
 
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
 import psutil
@@ -10,49 +11,144 @@ import pytest
 
 pytestmark = pytest.mark.timeout(90)
 
+# Each form of command line, with sys.argv edited before launch and a chdir before it too: a
+# worker must be started with the command line the user typed, from the directory it was typed
+# in. timeout=0.5 bounds the collective, not the start-up.
 BODY = """
-import os, json, scopedlite as lite
-with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
-    got = lite.all_reduce(run.global_rank + 1)
-    with open(os.environ["OUT"] + f".rank{run.global_rank}", "w") as f:
-        json.dump({"sum": got, "argv": __import__("sys").argv[1:]}, f)
+import json, os, sys
+original = list(sys.argv)
+edit = os.environ["EDIT"]
+if edit == "pop":
+    sys.argv.pop()  # a script consuming its own last argument
+elif edit == "replace":
+    sys.argv[:] = ["replaced", "--lr", "9"]
+elif edit == "empty":
+    sys.argv.clear()
+elif edit == "rebind":
+    sys.argv = sys.argv[:1]
+import scopedlite as lite
+os.makedirs("out", exist_ok=True)
+os.chdir("out")  # before launch: a worker re-runs this line from the directory we started in
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=0.5) as run:
+    total = lite.all_reduce(run.global_rank + 1)
+    facts = {"argv": original, "file": globals().get("__file__"), "cwd": os.getcwd(), "sum": total,
+             "dev_mode": sys.flags.dev_mode, "orig_argv": sys.orig_argv}
+    json.dump(facts, open(os.environ["OUT"] + f".rank{run.global_rank}", "w"))
 with open(os.environ["OUT"] + ".after", "a") as f:
     f.write(f"{os.getpid()}\\n")
 """
 
+FORMS = {
+    # name: (command line after `python`, directory it is typed in, arguments, edit)
+    "options and a relative script": (["-u", "-X", "dev", "pkg/train_argv.py"], "", ["first", "second", "fast"], "pop"),
+    "module": (["-m", "pkg.train_argv"], "", ["a", "--flag=1"], "replace"),
+    "command": (["-c", BODY], "", ["first", "config.py"], "empty"),
+    "symlink by a relative path with ..": (["-Wignore", "--", "../link.py"], "sub", ["only"], "rebind"),
+}
 
-def _check_ran(out_base: str, args: list[str]) -> None:
-    for rank in (0, 1):
-        with open(f"{out_base}.rank{rank}") as f:
-            data = json.load(f)
-        assert data["sum"] == 3
-        assert data["argv"][-len(args) :] == args if args else True
-    with open(f"{out_base}.after") as f:
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_workers_get_the_command_line_as_typed_whatever_the_script_did_to_sys_argv(run_python, tmp_path, form):
+    """Every rank starts with rank 0's original sys.argv (the script's path made absolute), its
+    interpreter options, the same __file__, and the directory the command was typed in."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train_argv.py").write_text(BODY)
+    (tmp_path / "link.py").symlink_to("pkg/train_argv.py")
+    (tmp_path / "sub").mkdir()
+    before, where, args, edit = FORMS[form]
+    start = tmp_path / where
+    result = run_python(*before, *args, cwd=start, env={"EDIT": edit})
+    assert result.returncode == 0, result.explain()
+    outs = [json.loads(open(f"{result._out}.rank{r}").read()) for r in (0, 1)]
+    for out in outs:
+        assert out["argv"][1:] == args
+        assert os.path.join(start, out["argv"][0]) == os.path.join(start, outs[0]["argv"][0])
+        assert out["file"] == outs[0]["file"]
+        assert out["cwd"] == str(start / "out")  # not out/out on rank 1
+        assert out["sum"] == 3
+        assert out["dev_mode"] == ("dev" in before)
+    typed, started = outs[0]["orig_argv"][1:], outs[1]["orig_argv"][1:]
+    assert typed == [*before, *args]
+    assert len(started) == len(typed) and all(a == b or os.path.join(start, a) == b for a, b in zip(typed, started))
+    if form.startswith("symlink"):
+        assert outs[1]["argv"][0] == str(tmp_path / "sub" / ".." / "link.py")
+    with open(f"{result._out}.after") as f:
         assert len(f.read().split()) == 1, "code after the block ran more than once"
 
 
-def test_script_with_arguments(run_python, tmp_path):
-    path = tmp_path / "train_script.py"
-    path.write_text(BODY)
-    result = run_python(str(path), "--lr", "0.1")
+RUNNER = """
+import runpy, sys
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+RUN_BY_A_RUNNER = """
+import scopedlite as lite
+try:
+    with lite.launch(strategy="ddp", devices=2, accelerator="cpu"):
+        pass
+except ValueError as e:
+    print("REFUSED", e)
+with lite.launch(strategy="ddp", devices=2, accelerator="cpu", launcher="fork") as run:
+    print("FORKED", lite.all_reduce(run.global_rank + 1))
+"""
+
+
+def test_a_program_started_through_a_runner_is_refused_and_fork_is_the_way_out(run_python, tmp_path):
+    (tmp_path / "runner.py").write_text(RUNNER)
+    (tmp_path / "train.py").write_text(RUN_BY_A_RUNNER)
+    result = run_python("runner.py", "train.py", cwd=tmp_path)
     assert result.returncode == 0, result.explain()
-    _check_ran(result._out.as_posix(), ["--lr", "0.1"])
+    refusal = next(line for line in result.stdout.splitlines() if line.startswith("REFUSED"))
+    assert "runs runner.py, but the program Python runs as __main__ is train.py" in refusal
+    assert "launcher='fork'" in refusal and "torchrun" in refusal
+    assert result.stdout.count("FORKED 3") == 2
 
 
-def test_module(run_python, tmp_path):
-    pkg = tmp_path / "mypkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "train.py").write_text(BODY)
-    result = run_python("-m", "mypkg.train", "x", cwd=tmp_path)
-    assert result.returncode == 0, result.explain()
-    _check_ran(result._out.as_posix(), ["x"])
+@pytest.mark.parametrize(
+    ("argv", "form", "value", "index"),
+    [
+        (["py", "x.py", "a"], "script", "x.py", 1),
+        (["py", "-u", "-X", "dev", "x.py", "-m"], "script", "x.py", 4),
+        (["py", "-uX", "dev", "-Wd", "x.py"], "script", "x.py", 4),
+        (["py", "-Xdev", "-W", "ignore", "-OO", "--", "-x.py", "-c"], "script", "-x.py", 6),
+        (["py", "--check-hash-based-pycs", "never", "x.py"], "script", "x.py", 3),
+        (["py", "-m", "pkg.mod", "x.py"], "module", "pkg.mod", -1),
+        (["py", "-Bmpkg", "-c"], "module", "pkg", -1),
+        (["py", "-uc", "print(1)", "x.py"], "command", "print(1)", -1),
+        (["py", "-", "-c"], "stdin", "", -1),
+        (["py", "-u"], "interactive", "", -1),
+    ],
+)
+def test_the_command_line_is_read_by_the_interpreters_grammar(argv, form, value, index):
+    from scopedlite._hardware.program import Typed, parse_command_line
+
+    assert parse_command_line(argv) == Typed(form, value, index)
 
 
-def test_command_string(run_python):
-    result = run_python("-c", BODY)
-    assert result.returncode == 0, result.explain()
-    _check_ran(result._out.as_posix(), [])
+def _rebuild(**overrides):
+    from scopedlite._hardware.program import rebuild
+
+    facts = {"orig_argv": ["py", "x.py"], "executable": "/bin/python", "main_file": "/w/x.py", "main_spec": None, "path0": "/w", "imported_in": "/w"}
+    return rebuild(**{**facts, **overrides})
+
+
+def test_a_command_line_that_cannot_start_the_program_again_is_refused_naming_why():
+    assert _rebuild().command == ("/bin/python", "/w/x.py")
+    assert _rebuild(orig_argv=["py", "-u", "../x.py"], main_file="/w/sub/../x.py").directory == "/w/sub"
+    for facts, why in [
+        ({"orig_argv": []}, "sys.orig_argv is empty"),
+        ({"executable": ""}, "sys.executable is empty"),
+        ({"orig_argv": ["py", "-Z", "x.py"]}, "-Z"),
+        ({"orig_argv": ["py", "runner.py", "x.py"]}, "runs runner.py"),
+        ({"orig_argv": ["py", "-m", "pdb", "x.py"]}, "runs -m pdb"),
+        ({"orig_argv": ["py", "-c", "import runpy"]}, "runs -c"),
+        ({"main_file": None}, "runs x.py"),
+    ]:
+        program = _rebuild(**facts)
+        assert program.command is None and why in program.problem, (facts, program)
+        assert "launcher='fork'" in program.problem and "torchrun" in program.problem
 
 
 @pytest.mark.parametrize("devices", [2, 3])
@@ -418,33 +514,6 @@ def test_summary_is_the_exception_line_and_rank_zero_tracebacks_are_unprefixed(r
     assert summary == "SUMMARY rank 1 raised AssertionError: assert 1 == 2. The other ranks were stopped."
     assert "ValueError: uncaught on rank 0" in result.stderr
     assert "[rank0]" not in result.stderr, result.stderr
-
-
-CHDIR = """
-import os, json, scopedlite as lite
-os.makedirs("out", exist_ok=True)
-os.chdir("out")  # before launch: a worker re-runs this line from the directory we started in
-with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=0.5) as run:
-    total = lite.all_reduce(run.global_rank + 1)  # timeout=0.5 bounds this, not the start-up
-    json.dump({"sum": total, "cwd": os.getcwd()}, open(os.environ["OUT"] + f".rank{run.global_rank}", "w"))
-"""
-
-
-@pytest.mark.parametrize("form", ["script", "absolute", "module"])
-def test_chdir_before_launch_and_a_short_collective_timeout(run_python, tmp_path, form):
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "__init__.py").write_text("")
-    (tmp_path / "pkg" / "chdir_first.py").write_text(CHDIR)
-    argv = {
-        "script": ["pkg/chdir_first.py"],
-        "absolute": [str(tmp_path / "pkg" / "chdir_first.py")],
-        "module": ["-m", "pkg.chdir_first"],
-    }[form]
-    result = run_python(*argv, cwd=tmp_path)
-    assert result.returncode == 0, result.explain()
-    outs = [json.load(open(f"{result._out}.rank{r}")) for r in (0, 1)]
-    assert [o["sum"] for o in outs] == [3, 3]
-    assert [o["cwd"] for o in outs] == [str(tmp_path / "out")] * 2  # not out/out on rank 1
 
 
 def test_a_worker_that_exits_with_code_0_before_launch_is_reported_at_once(run_python):

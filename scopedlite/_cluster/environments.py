@@ -6,6 +6,11 @@ world is already there: ``launch`` spawns nothing and joins it. Each environment
 small detector that reads a mapping of environment variables and returns a :class:`World`
 or None. Detection is pure (it reads the mapping it is given, never ``os.environ``), so the
 resolver stays a pure function and tests pass plain dicts.
+
+A default process group that exists already (Ray Train makes one in each worker; so may a
+framework or the script itself) is a world too, joined like torchrun's:
+:func:`existing_group_world` takes its rank and size from the group and the local facts from
+the environment.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Callable, Mapping
 
 from scopedlite._cluster.hostlist import expand_hostlist, expand_tasks_per_node
 
-__all__ = ["DETECTORS", "ENV", "World", "derived_port", "detect_world"]
+__all__ = ["DETECTORS", "ENV", "EXISTING_GROUP", "World", "derived_port", "detect_world", "existing_group_world"]
 
 
 class ENV:
@@ -34,7 +39,9 @@ class World:
 
     Attributes:
         source: Who made it: ``"scopedlite"`` (a worker of ours), ``"torchelastic"``,
-            ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"lsf"`` or ``"kubeflow"``.
+            ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"lsf"``, ``"kubeflow"``, or
+            ``"process_group"`` (:data:`EXISTING_GROUP`: a default process group made before
+            ``launch``, by Ray Train, a framework or the script; launch never destroys it).
         global_rank, local_rank, node_rank, world_size, local_world_size: As in torchrun.
         main_address, main_port: Where rank 0's rendezvous store listens.
         num_nodes: Number of nodes when the environment says so (SLURM may place different
@@ -328,4 +335,64 @@ def detect_world(env: Mapping[str, str]) -> World | None:
     return None
 
 
-_ALWAYS_JOINED = ("scopedlite", "torchelastic")
+EXISTING_GROUP = "process_group"
+
+_ALWAYS_JOINED = ("scopedlite", "torchelastic", EXISTING_GROUP)
+
+
+def existing_group_world(env: Mapping[str, str], rank: int, size: int) -> World:
+    """The world of a default process group that exists already: rank ``rank`` of ``size``.
+
+    Rank and size are the group's. Where this process sits on its node comes from the
+    environment: ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, Ray Train), else a launcher
+    that describes the same ranks (SLURM, MPI, LSF), else every rank is taken to be on this
+    node (a group made by hand, e.g. ``init_process_group(init_method="tcp://...")``).
+
+    Raises:
+        ValueError: The environment's ``RANK``/``WORLD_SIZE`` disagree with the group's.
+    """
+    source = EXISTING_GROUP
+    said = {name: env[name].strip() for name in ("RANK", "WORLD_SIZE") if name in env}
+    group = {"RANK": str(rank), "WORLD_SIZE": str(size)}
+    if any(said[name] != group[name] for name in said):
+        shown = " ".join(f"{k}={v}" for k, v in said.items())
+        raise ValueError(
+            f"A default process group exists (rank {rank} of {size}), but the environment says "
+            f"{shown}: launch cannot tell where this process belongs. Unset those variables, or "
+            "create the group with the rank and world size they give."
+        )
+    local_rank, local_size, node_rank, nodes = rank, size, 0, 1
+    if "LOCAL_RANK" in env:
+        local_rank = _int(env, "LOCAL_RANK", source)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", source) if "LOCAL_WORLD_SIZE" in env else size
+        node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", rank // max(1, local_size))))
+        nodes = 0
+    else:
+        described = _described_by_launcher(env)
+        if described is not None and (described.global_rank, described.world_size) == (rank, size):
+            local_rank, local_size = described.local_rank, described.local_world_size
+            node_rank, nodes = described.node_rank, described.num_nodes
+    return _check_ranks(
+        World(
+            source=source,
+            global_rank=rank,
+            local_rank=local_rank,
+            node_rank=node_rank,
+            world_size=size,
+            local_world_size=local_size,
+            main_address=env.get("MASTER_ADDR", "127.0.0.1"),
+            main_port=int(env.get("MASTER_PORT", "0") or 0),
+            num_nodes=nodes,
+        )
+    )
+
+
+def _described_by_launcher(env: Mapping[str, str]) -> World | None:
+    # Only the ranks matter here: the group needs no rendezvous, so a missing address or
+    # port (which a detector would refuse) is filled in.
+    filled = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", **env}
+    for detect in DETECTORS:
+        world = detect(filled)
+        if world is not None:
+            return world
+    return None

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._cluster.environments import World
+from scopedlite._cluster.environments import EXISTING_GROUP, World
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
 from scopedlite._private.torch_internals import set_group_timeout
 
 __all__ = [
+    "adopt_existing_group",
     "all_gather_tensor",
     "all_reduce_tensor",
     "barrier",
@@ -86,6 +87,44 @@ def init_process_group(
         # good. Rank 0 of a run we start is the user's own process and stays unprefixed; our
         # workers prefix their lines themselves ("[rank N] ", scopedlite._launch.output).
         sys.excepthook = hook
+
+
+def adopt_existing_group(world: World, requested: str | None, accelerator: str) -> str:
+    """Take part in the default process group that existed before ``launch`` (``world``
+    describes it) and return the backend our collectives use on ``accelerator``.
+
+    The group stays its maker's: :func:`destroy_process_group` leaves it in place.
+
+    Raises:
+        ValueError: ``requested`` (``process_group_backend=``) is not the group's backend.
+    """
+    assert world.source == EXISTING_GROUP
+    if not dist.is_initialized() or (dist.get_rank(), dist.get_world_size()) != (world.global_rank, world.world_size):
+        raise RuntimeError(
+            f"The default process group launch was to join (rank {world.global_rank} of "
+            f"{world.world_size}) was destroyed or replaced while launch was starting."
+        )
+    backend = str(dist.get_backend())
+    # A device-aware group (init_process_group() with no backend) is "cpu:gloo,cuda:nccl".
+    per_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {}
+    chosen = per_device.get("cuda" if accelerator == "cuda" else "cpu") if per_device else backend
+    if chosen is None:
+        raise ValueError(
+            f"The default process group that exists already has backends {backend!r}, none for "
+            f"accelerator={accelerator!r}. Create it with a backend for that device."
+        )
+    if requested is not None and requested != chosen:
+        raise ValueError(
+            f"process_group_backend={requested!r}, but the default process group that exists "
+            f"already (made before launch, which joins it and never replaces it) uses {chosen!r}. "
+            f"Remove process_group_backend=, or create the group with backend={requested!r}."
+        )
+    _adopted[:] = [True]
+    return chosen
+
+
+# Set while this process takes part in a default group that existed before launch.
+_adopted: list[bool] = []
 
 
 START_TIMEOUT_ENV = "SCOPEDLITE_START_TIMEOUT"
@@ -156,7 +195,12 @@ def end_of_block_barrier(rank: int, size: int, seconds: float) -> bool:
 
 
 def destroy_process_group() -> None:
+    """End the run's process group, unless it existed before ``launch``: that one is its
+    maker's (Ray Train, a framework, the script), and stays."""
     _launch_store.clear()
+    if _adopted:
+        _adopted.clear()
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
     if _own_store:

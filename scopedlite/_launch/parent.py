@@ -137,6 +137,10 @@ class Parent(Role):
                 )
             time.sleep(0.01)
 
+    def quiet(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.disarm()
+
     def exit(self, exc: BaseException | None) -> bool | None:
         self.end_signals()
         supervisor, run = self.supervisor, self.run
@@ -229,15 +233,20 @@ def _loopback_store(plan: Plan) -> Any:
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         port = listener.getsockname()[1]
+        options = {
+            "is_master": True,
+            "timeout": max(plan.timeout, start_timeout()),  # collectives are bounded by the group
+            "wait_for_workers": False,
+            "master_listen_fd": listener.fileno(),
+        }
+        try:
+            store = dist.TCPStore("127.0.0.1", port, plan.world_size, **options)
+        except NotImplementedError:
+            # Older torch (seen with 2.5 and 2.6): the libuv store cannot take a listening
+            # socket; the other one can (torch's own use_libuv option).
+            store = dist.TCPStore("127.0.0.1", port, plan.world_size, use_libuv=False, **options)
     except BaseException:
         listener.close()
         raise
-    return dist.TCPStore(
-        "127.0.0.1",
-        port,
-        plan.world_size,
-        is_master=True,
-        timeout=max(plan.timeout, start_timeout()),  # collectives are bounded by the group
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),  # the store owns (and closes) it from here
-    )
+    listener.detach()  # the store owns (and closes) it from here
+    return store

@@ -65,6 +65,10 @@ class Role(ABC):
     def enter(self) -> Run:
         """Start this process's part of the run and return its :class:`Run`."""
 
+    def quiet(self) -> None:  # noqa: B027
+        """Stop interrupting the main thread asynchronously: the block has ended (a role that
+        supervises workers interrupts it when one fails)."""
+
     @abstractmethod
     def exit(self, exc: BaseException | None) -> bool | None:
         """End this process's part; the return value is the scope's ``__exit__``'s."""

@@ -101,7 +101,11 @@ class _Launch(Scope[Run]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self.role is not None
+        try:
+            assert self.role is not None
+            self.role.quiet()
+        except BaseException as late:  # a worker's failure interrupted us as the block ended
+            exc = exc if exc is not None else late
         self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next
         return self.role.exit(exc)
 

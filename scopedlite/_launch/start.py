@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scopedlite._cluster.environments import ENV
+from scopedlite._hardware.program import this_program
 from scopedlite._launch.supervise import (
     ForkedWorker,
     PopenWorker,
@@ -30,49 +31,22 @@ def threads_per_process(cpu_count: int, local_world_size: int) -> int:
     return max(1, cpu_count // max(1, local_world_size))
 
 
-def start_directory() -> str | None:
-    """The working directory this program started in, as near as we can know it.
+def script_command() -> tuple[list[str], str | None]:
+    """The command line that started this program, ready to run again, and where to run it.
 
-    A worker re-runs the script from its top, so it must start there too, whatever the
-    script did with ``os.chdir`` before reaching ``launch``. Known exactly for ``-m`` (Python
-    put it first on ``sys.path``) and for a relative script path (``__main__.__file__`` is
-    absolute since Python 3.9); otherwise, the directory when ``scopedlite`` was imported.
+    Exactly what the user typed (``sys.orig_argv``, read by the interpreter's own grammar),
+    with the script's path made absolute, whatever the script did to ``sys.argv`` since;
+    the directory is the one this program started in (see
+    :mod:`scopedlite._hardware.program`).
+
+    Raises:
+        ValueError: The command line cannot start this program again (an embedding host, a
+            runner such as pdb or runpy); the message names the reason and the way out.
     """
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    options = sys.orig_argv[: len(sys.orig_argv) - len(sys.argv)]
-    if "-m" in options and sys.path and os.path.isabs(sys.path[0]):
-        return sys.path[0]
-    if "-c" not in options and main_file and os.path.isabs(main_file) and sys.argv and sys.argv[0]:
-        relative = os.path.normpath(sys.argv[0])
-        if not os.path.isabs(relative) and not relative.startswith(".."):
-            if os.path.normpath(main_file).endswith(os.sep + relative):
-                return os.path.normpath(main_file)[: -len(relative) - 1] or os.sep
-    package = sys.modules.get("scopedlite")
-    return getattr(package, "_START_DIRECTORY", None)
-
-
-def script_command() -> list[str]:
-    """The command line that started this interpreter, ready to run again.
-
-    ``sys.orig_argv`` keeps interpreter options and the ``-m``/``-c`` forms. A script path is
-    made absolute against the start directory, where the workers run (they see the same
-    relative paths, ``-m`` packages and ``chdir`` calls as this process did).
-    """
-    argv = list(sys.orig_argv)
-    argv[0] = sys.executable
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    script_index = len(argv) - len(sys.argv)
-    if (
-        main_file
-        and "-c" not in argv[:script_index]
-        and "-m" not in argv[:script_index]
-        and 0 < script_index < len(argv)
-    ):
-        script = os.path.join(start_directory() or os.getcwd(), argv[script_index])
-        if os.path.isabs(main_file) and os.path.exists(main_file):
-            script = main_file  # Python 3.9+: the absolute path, whatever the cwd is now
-        argv[script_index] = os.path.abspath(script)
-    return argv
+    program = this_program()
+    if program.command is None:
+        raise ValueError(f"launcher='script' cannot start the workers: {program.problem or 'there is no command line to re-run.'}")
+    return list(program.command), program.directory
 
 
 def worker_environment(
@@ -113,8 +87,7 @@ def start_script_workers(
 ) -> list[PopenWorker]:
     _libc()  # load before forking: the preexec hook must not import or dlopen
     parent = os.getpid()
-    command = script_command()
-    cwd = start_directory()
+    command, cwd = script_command()
     workers = []
     for rank in range(1, local_world_size):
         env = worker_environment(

@@ -19,8 +19,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from scopedlite._core.scope import Scope
 from scopedlite._launch.stacks import collect_stacks
 
 __all__ = ["RankFailure", "Supervisor", "WorkerFailedError", "set_parent_death_signal"]
@@ -100,6 +101,9 @@ class WorkerFailedError(RuntimeError):
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(f.rank for f in self.failures)
+
+
+_SCOPE_EXIT = Scope.__exit__.__code__  # where an interrupt waits for the next poll
 
 
 class _Interrupted(BaseException):
@@ -255,8 +259,12 @@ class Supervisor:
         if signal.SIGINT in data or self._sigterms >= 2:
             self.kill_all()
 
-    def _on_interrupt(self, signum: int, frame: object) -> None:
-        if self._armed:
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        # Not while a scope is being left: the block's own exception (gloo's "Connection reset",
+        # when the failed rank's peer noticed first) is already on its way to launch's exit,
+        # which reports the failure; raising there would replace it, unreported. Still armed,
+        # so the next poll interrupts again if the main thread goes on waiting.
+        if self._armed and getattr(frame, "f_code", None) is not _SCOPE_EXIT:
             self._armed = False
             raise _Interrupted()
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scopedlite._cluster.environments import EXISTING_GROUP
 from scopedlite._comm import process_group as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
@@ -73,17 +74,23 @@ class ProcessGroupStrategy(Strategy):
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
-        """Bind this process's GPU (if any) and create the run's process group."""
+        """Bind this process's GPU (if any) and create the run's process group, or join the
+        default group that existed before launch."""
         assert rendezvous is not None, f"strategy={self.name!r} needs a rendezvous"
         self.placement = placement
-        self._backend = self.backend(placement.accelerator)
+        existing = rendezvous.world.source == EXISTING_GROUP  # made before launch: joined, kept
+        if existing:
+            self._backend = _distributed.adopt_existing_group(rendezvous.world, self.process_group_backend, placement.accelerator)
+        else:
+            self._backend = self.backend(placement.accelerator)
         self._comm_device = _distributed.comm_device(self._backend, placement.device)
         self._join_group: Any = None
         if placement.accelerator == "cuda":
             torch.cuda.set_device(placement.device)
-        _distributed.init_process_group(
-            self._backend, rendezvous.world, timeout=placement.timeout, store=rendezvous.store, device=placement.device
-        )
+        if not existing:
+            _distributed.init_process_group(
+                self._backend, rendezvous.world, timeout=placement.timeout, store=rendezvous.store, device=placement.device
+            )
 
     def stop(self) -> None:
         self._join_group = None

@@ -38,6 +38,12 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # Targets in the output's dtype (bf16 under bf16-mixed): before torch 2.12, backward through
+    # a loss of two dtypes fails ("Found dtype Float but expected BFloat16").
+    return torch.nn.functional.mse_loss(out, y.to(out.dtype))
+
+
 def train(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
@@ -53,14 +59,14 @@ def train(
     """
     for step in range(STEPS):
         x, y = rows(slice(BATCH * step, BATCH * (step + 1)))
-        backward(torch.nn.functional.mse_loss(model(x), y))
+        backward(_loss(model(x), y))
         opt.step()
         opt.zero_grad()
     start = BATCH * STEPS
     for micro in range(2):
         x, y = rows(slice(start + BATCH * micro, start + BATCH * (micro + 1)))
         with no_sync(micro == 0):
-            backward(torch.nn.functional.mse_loss(model(x), y) / 2)
+            backward(_loss(model(x), y) / 2)
     norm = clip()
     opt.step()
     opt.zero_grad()

@@ -36,7 +36,8 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", precision=prec
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(make_data(n), batch_size=batch_size))
     means = []
     for x, y in loader:
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out, y.to(out.dtype))  # one dtype: torch < 2.12
         lite.backward(loss)
         opt.step()
         opt.zero_grad()

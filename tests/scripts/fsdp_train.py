@@ -110,7 +110,8 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", precision=prec
 
     def one_more_step() -> list[float]:
         xs, ys = x[-8:][rank::2], y[-8:][rank::2]
-        lite.backward(torch.nn.functional.mse_loss(model(xs), ys))
+        out = model(xs)
+        lite.backward(torch.nn.functional.mse_loss(out, ys.to(out.dtype)))  # one dtype: torch < 2.12
         opt.step()
         opt.zero_grad()
         with torch.no_grad():

@@ -34,11 +34,36 @@ from scopedlite._strategies.process_group import ProcessGroupStrategy
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
 
-__all__ = ["FSDPStrategy"]
+__all__ = ["FSDPStrategy", "fsdp2_problem", "release"]
 
 _STATE_DICT_TYPES = ("sharded", "full")
 
-WrapPolicy = Callable[[torch.nn.Module], bool]
+# The oldest torch strategy="fsdp" is tested with. Found by running the tests: torch 2.5 has no
+# public FSDP2 (torch.distributed.fsdp.fully_shard & co.); 2.6 has it but lacks
+# distribute_tensor(src_data_rank=) and FSDP2's CPU streams; with 2.7.1 and 2.8.0 on gloo,
+# sharded training ran but gave values up to 0.59 away from one process's (tests/test_fsdp.py).
+FSDP2_TORCH = "2.9"
+_FSDP2_NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "register_fsdp_forward_method")
+
+
+def release(version: str) -> tuple[int, int]:
+    """``"2.9.0+cu128"`` -> ``(2, 9)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def fsdp2_problem(fsdp_module: Any, version: str) -> str | None:
+    """Why strategy="fsdp" cannot run with ``fsdp_module`` (``torch.distributed.fsdp`` of torch
+    ``version``), or None."""
+    missing = [name for name in _FSDP2_NAMES if not hasattr(fsdp_module, name)]
+    if not missing and release(version) >= release(FSDP2_TORCH):
+        return None
+    lacks = f"it lacks torch.distributed.fsdp.{', '.join(missing)}" if missing else "it is older than that"
+    return (
+        f"strategy='fsdp' needs torch>={FSDP2_TORCH}, the oldest its sharded training was checked "
+        f"with, and this is torch {version}: {lacks}. Upgrade torch (pip install "
+        f"'torch>={FSDP2_TORCH}'), or use strategy='ddp' or 'deepspeed'."
+    )
 
 
 def _module_classes(argument: str, value: Any) -> frozenset[type[torch.nn.Module]]:
@@ -117,6 +142,11 @@ class FSDPStrategy(ProcessGroupStrategy):
 
     def check(self, accelerator: str, world_size: int, precision: str) -> None:
         super().check(accelerator, world_size, precision)
+        import torch.distributed.fsdp
+
+        problem = fsdp2_problem(torch.distributed.fsdp, torch.__version__)
+        if problem:
+            raise ImportError(problem)
         if self.cpu_offload and accelerator == "cpu":
             raise ValueError(
                 "FSDPStrategy(cpu_offload=True) moves shards from an accelerator to the CPU, "
