@@ -115,8 +115,8 @@ def feed_checks(checkpoint: str) -> dict:
         lite.save(checkpoint, {"loader": loader})
         epoch1_rest = [i.cpu().tolist() for _, i in batches]
         threads = threading.active_count()
-        for _ in loader:  # epoch 2, left at once
-            break
+        for _ in lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=1)):
+            break  # left at once, with more batches (64) than XLA's loader reads ahead (24)
         gc.collect()
         out["threads_left_after_break"] = threading.active_count() - threads
     with lite.launch(accelerator="tpu"):
