@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextvars
 from typing import Any, Callable, Iterable, Iterator
 
@@ -29,6 +30,7 @@ from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward
 from scopedlite._api.seed import SeedWorker, current_seed
 from scopedlite._core import rng
 from scopedlite._core.run import Run
+from scopedlite._core.scope import carry
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.abilities import SupportsDeviceFeed
 
@@ -105,6 +107,7 @@ class DeviceDataLoader:
         self._iterated_before = False
         self._pass_drew_seed = True
         self._pass_reshard: tuple[int, Interrupted | None] | None = None  # (seed, resumed) of a resharded pass
+        self._fed_generator: torch.Tensor | None = None  # see _ReadAhead
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass (it then advances by one per pass)."""
@@ -141,10 +144,12 @@ class DeviceDataLoader:
             pending = None  # the script chose another epoch itself: a fresh pass of it
         loader = self._begin_pass(epoch, pending)
         if self.feed is not None:
-            for batch in self.feed(loader):
+            reads = _ReadAhead(self._iterate(loader), self.loader.generator)
+            for batch in self.feed(reads):
+                self._fed_generator = reads.generator_states.popleft()
                 self._position += 1
                 yield batch
-            self._in_pass = False
+            self._in_pass, self._fed_generator = False, None
             return
         device = self.device
         non_blocking = device is not None and device.type == "cuda"
@@ -220,6 +225,14 @@ class DeviceDataLoader:
             return 1
         return int(batch_sampler.batch_size)
 
+    def _random_states(self) -> dict[str, Any]:
+        """The random states a resumed pass continues from: those of now, except the
+        loader's generator under a feed that reads ahead (see :class:`_ReadAhead`)."""
+        states = rng.capture(self.loader.generator)
+        if self._in_pass and self._fed_generator is not None:
+            states["generator"] = self._fed_generator
+        return states
+
     def _lite_unstarted_entry(self) -> dict[str, Any] | None:
         """The loaded checkpoint entry, while the pass it resumes has not begun: saved again
         as it is, so a run stopped again before its first batch loses nothing."""
@@ -246,7 +259,7 @@ class DeviceDataLoader:
             "reshard_seed": reshard_seed,
             "resumed": resumed.to_state() if resumed is not None else None,
             "pass_rng": self._pass_rng,
-            "rng": rng.capture(self.loader.generator),
+            "rng": self._random_states(),
             "drew_seed": self._pass_drew_seed,
             "iterated": self._iterated_here or self._iterated_before,
         }
@@ -302,6 +315,37 @@ class DeviceDataLoader:
         if name in ("loader", "_passes", "_holders", "_seen"):
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+class _ReadAhead:
+    """A pass's batches for a strategy's feed, which may read them ahead of the loop, in a
+    thread of its own (XLA's parallel loader reads up to 24 batches ahead in its thread).
+
+    Each batch is read in the scopes open when the pass began: in the feed's thread no scope
+    is open, and the sampler would see no run and no ``lite.join``. The iterator is made
+    before, in the loop's thread, so a loader's workers start and draw their seed there.
+    After each batch read, the state of the loader's generator is queued: reading ahead has
+    drawn from it (a shuffle's next permutation), so a checkpoint taken in the middle of the
+    pass records the state after the last batch handed out, not the reader's.
+    """
+
+    def __init__(self, batches: Iterator[Any], generator: torch.Generator | None) -> None:
+        self.generator_states: collections.deque[torch.Tensor | None] = collections.deque()
+        read = carry(next)  # the scopes of now: the generator below runs in the reader
+
+        def each() -> Iterator[Any]:
+            while True:
+                try:
+                    batch = read(batches)
+                except StopIteration:
+                    return
+                self.generator_states.append(generator.get_state() if generator is not None else None)
+                yield batch
+
+        self._each = each()
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._each
 
 
 def _epoch_holders(loader: DataLoader) -> list[Any]:  # type: ignore[type-arg]

@@ -70,6 +70,13 @@ class SupportsCheckpoint(Protocol):
 @runtime_checkable
 class SupportsDeviceFeed(Protocol):
     def device_batches(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Yield the loader's batches on the device the strategy's own way (XLA's
-        ``MpDeviceLoader``), instead of moving each batch with ``.to(device)``."""
+        """Yield one pass of a set-up loader's batches on the device the strategy's own way
+        (XLA's parallel loader), instead of the front end moving each with ``.to(device)``.
+
+        Called by ``lite.setup_dataloader``'s loader once per pass, with the pass as the
+        front end prepared it (this rank's shard, the epoch's order, a resumed pass's rest):
+        yield every batch once and in order, and release what was started when the pass ends
+        or is left early. ``batches`` may be read from another thread; each batch is then
+        still read in the scopes of the pass.
+        """
         ...

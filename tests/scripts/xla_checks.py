@@ -1,13 +1,17 @@
 """XLA checks run by tests/test_xla.py under the XLA venv's interpreter, with PJRT_DEVICE=CPU.
 
-Usage: python xla_checks.py MODE OUT_JSON [CHECKPOINT]. Each mode writes what it measured to
-OUT_JSON; the test asserts on it.
+Usage: python xla_checks.py OUT_JSON FOLDER MODE [MODE ...]. The modes run in this one process,
+in the order given (each start of torch_xla costs seconds); OUT_JSON gets what each measured,
+by mode, and the tests assert on it. FOLDER takes the checkpoints.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+import threading
+from pathlib import Path
 
 import torch
 
@@ -51,18 +55,87 @@ def train(accelerator: str, precision: str = "32-true") -> dict:
             "param_device": next(model.parameters()).device.type,
             "param_dtype": str(next(model.parameters()).dtype),
             "batch_device": batch_device,
-            "loader_type": type(loader).__name__,
             "losses": losses,
             "params": params,
         }
 
 
-def mode_train() -> dict:
+def mode_train(checkpoint: str) -> dict:
     # XLA first: torch's autograd engine sizes its per-device queues at its first backward, so
     # a backward before torch_xla is imported leaves no queue for XLA (see _XLABase.backward).
     xla = train("tpu")
     bf16 = train("xla", "bf16-true")
-    return {"cpu": train("cpu"), "xla": xla, "bf16": bf16, "bf16_mixed": autocast_dtypes()}
+    feed = feed_checks(checkpoint)
+    return {"cpu": train("cpu"), "xla": xla, "bf16": bf16, "bf16_mixed": autocast_dtypes(), "feed": feed}
+
+
+class Recorded(torch.utils.data.Dataset):
+    """Samples ``(x[i], i)``; notes in which thread each was read and whether that thread saw
+    the run (``lite.current().launched``); raises at index ``fail_at``."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.x = torch.randn(64, 4, generator=torch.Generator().manual_seed(3))
+        self.fail_at = fail_at
+        self.reads: set = set()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        thread = "main" if threading.current_thread() is threading.main_thread() else "other"
+        self.reads.add((thread, lite.current().launched))
+        if i == self.fail_at:
+            raise ValueError(f"bad sample {i}")
+        return self.x[i], i
+
+
+def shuffled(dataset: torch.utils.data.Dataset) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+
+def feed_checks(checkpoint: str) -> dict:
+    """A set-up loader under xla_single: where its batches are read and arrive, the step marks
+    of a pass, the epochs, a pass saved after 3 batches and resumed in a new launch, a loop
+    left early, and an error raised while reading."""
+    import torch_xla.debug.metrics as met
+
+    out: dict = {}
+    with lite.launch(accelerator="tpu"):
+        dataset = Recorded()
+        loader = lite.setup_dataloader(shuffled(dataset))
+        marks = met.counter_value("MarkStep") or 0
+        epoch0 = []
+        for x, i in loader:  # reading only: no optimizer step ends a graph
+            out["batch_device"] = x.device.type
+            epoch0.append(i.cpu().tolist())
+        out["marks_in_a_pass"] = (met.counter_value("MarkStep") or 0) - marks
+        out["reads"] = sorted(dataset.reads)
+        batches = iter(loader)  # epoch 1, left after 3 batches and saved
+        epoch1_head = [next(batches)[1].cpu().tolist() for _ in range(3)]
+        lite.save(checkpoint, {"loader": loader})
+        epoch1_rest = [i.cpu().tolist() for _, i in batches]
+        threads = threading.active_count()
+        for _ in lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=1)):
+            break  # left at once, with more batches (64) than XLA's loader reads ahead (24)
+        gc.collect()
+        out["threads_left_after_break"] = threading.active_count() - threads
+    with lite.launch(accelerator="tpu"):
+        resumed = lite.setup_dataloader(shuffled(Recorded()))
+        lite.load(checkpoint, {"loader": resumed})
+        out["resumed"] = [i.cpu().tolist() for _, i in resumed]
+        out["after_resumed"] = [i.cpu().tolist() for _, i in resumed]
+    with lite.launch(accelerator="tpu"):
+        failing = lite.setup_dataloader(torch.utils.data.DataLoader(Recorded(fail_at=20), batch_size=8))
+        read = []
+        try:
+            for _, i in failing:
+                read.append(i.cpu().tolist())
+            out["error"] = None
+        except ValueError as e:
+            out["error"] = str(e)
+        out["read_before_error"] = read
+    out["epochs"] = [epoch0, epoch1_head + epoch1_rest]
+    return out
 
 
 def autocast_dtypes() -> list:
@@ -149,17 +222,17 @@ def mode_backward_before_import() -> dict:
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    if mode == "train":
-        result = mode_train()
-    elif mode == "collectives":
-        result = mode_collectives()
-    elif mode == "backward_before_import":
-        result = mode_backward_before_import()
-    elif mode == "save_load":
-        result = mode_save_load(sys.argv[3])
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
+    out, folder, modes = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    runs = {
+        "train": lambda: mode_train(str(folder / "loader.pt")),
+        "collectives": mode_collectives,
+        "save_load": lambda: mode_save_load(str(folder / "ckpt.pt")),
+        "backward_before_import": mode_backward_before_import,
+    }
+    unknown = [m for m in modes if m not in runs]
+    if unknown or not modes:
+        raise SystemExit(f"unknown or no modes {unknown!r}: choose from {sorted(runs)}")
+    result = {mode: runs[mode]() for mode in modes}
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -160,11 +160,40 @@ class _XLABase(OneProcessCollectives, Strategy):
         return contextlib.nullcontext()
 
     def device_batches(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Feed batches through XLA's parallel device loader (``MpDeviceLoader``), which
-        copies the next batches to the device in background threads."""
-        from torch_xla.distributed.parallel_loader import MpDeviceLoader
+        """One pass of batches through XLA's parallel loader, as ``MpDeviceLoader`` feeds it.
 
-        yield from MpDeviceLoader(batches, self.placement.device)
+        A background thread reads the batches and copies the next ones to the device while
+        the current step runs (asynchronous host-to-device transfer), and each batch is
+        handed out after a step mark (``torch_xla.sync()``), so the previous step's graph
+        runs even in a loop that never calls ``optimizer.step()``. ``MpDeviceLoader.__iter__``
+        is exactly ``ParallelLoader(loader, [device]).per_device_loader(device)``; the
+        ``ParallelLoader`` is kept here to close it when the pass ends, also when the loop
+        leaves it early (``break``, an exception): ``MpDeviceLoader`` closes it only at its
+        next pass, and a fresh one per pass never, leaving its threads (and the loader's
+        worker processes) blocked for the rest of the process.
+
+        An error raised while reading a batch is raised here, after the batches read before
+        it, as a plain loader raises it: ``ParallelLoader``'s reading thread only prints it and
+        ends the pass, which would look like the end of the data.
+        """
+        from torch_xla.distributed.parallel_loader import ParallelLoader
+
+        failed: list[BaseException] = []
+
+        def read() -> Iterator[Any]:  # runs in ParallelLoader's reading thread
+            try:
+                yield from batches
+            except Exception as e:
+                failed.append(e)
+
+        device = self.placement.device
+        parallel = ParallelLoader(read(), [device])
+        try:
+            yield from parallel.per_device_loader(device)
+            if failed:
+                raise failed[0]
+        finally:
+            parallel.close()
 
     # -- checkpoints: xm.save semantics, tensors moved to CPU (rank 0 writes: lite.save) --
     def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
