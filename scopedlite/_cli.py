@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from scopedlite._core.precision import PRECISIONS
+from scopedlite._core.precision import FABRIC_SHORT_NAMES, PRECISIONS
 from scopedlite._plan import ACCELERATORS, COMMAND_LINE
 from scopedlite._strategies.registry import STRATEGIES
 
@@ -87,7 +87,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=list(PRECISIONS),
+        choices=[*PRECISIONS, *FABRIC_SHORT_NAMES],
         default=None,
         help="launch(precision=) for the script's lite.launch() (default: the script's own)",
     )

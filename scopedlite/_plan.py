@@ -314,7 +314,10 @@ def resolve(
     accel = _pick_accelerator(requested_accelerator, requested_devices, machine)
     reason = chosen_precision.unsupported_reason(accel)
     if reason:
-        raise ValueError(f"precision={chosen_precision.name!r} on accelerator={accel!r}: {reason}.")
+        shown = repr(chosen_precision.name)
+        if precision != chosen_precision.name:  # a short spelling: say what it means
+            shown = f"{precision!r} (Fabric's short name for {chosen_precision.name!r})"
+        raise ValueError(f"precision={shown} on accelerator={accel!r}: {reason}.")
     indices = _device_indices(accel, requested_devices, machine, world)
 
     if world is not None:
@@ -427,7 +430,18 @@ def _command_line(arguments: dict[str, Any], env: Mapping[str, str]) -> tuple[An
 
 
 def _is_default(name: str, value: Any) -> bool:
+    if name == "precision":
+        return _precision_name(value) == _DEFAULTS[name]  # 32 and "32" are "32-true" written short
     return isinstance(value, (str, type(None))) and value == _DEFAULTS[name]
+
+
+def _precision_name(value: Any) -> Any:
+    """The precision ``value`` names (Fabric's short spellings included), or ``value`` itself
+    when it names none (the resolver then says so)."""
+    try:
+        return precision_for(value).name
+    except ValueError:
+        return value
 
 
 def _parse_command_line(name: str, text: str) -> Any:
@@ -452,6 +466,8 @@ def _agrees(name: str, value: Any, given: Any) -> bool:
             return len(value) == given
         if isinstance(value, str) and value.strip().isdigit():
             return int(value) == given
+    if name == "precision":
+        return bool(_precision_name(value) == given)
     return bool(value == given)
 
 

@@ -200,7 +200,7 @@ def test_several_processes_cannot_take_over_an_epoch_one_process_began(tmp_path)
     entry = lite.load(tmp_path / "c.pt")["loader"]
     restarted = lite.setup_dataloader(_loader(shuffle=True))
     with pytest.raises(ValueError, match=r"saved in the middle of epoch \d+ by a run of 1 process"):
-        restarted._lite_load_state(entry, 0, 2)  # what lite.load does on rank 0 of 2
+        restarted.cursor.load(entry, rank=0, world_size=2)  # what lite.load does on rank 0 of 2
 
 
 def test_a_loader_over_an_iterable_dataset_is_refused_mid_pass_at_save(tmp_path):

@@ -12,7 +12,7 @@ __all__ = ["autocast"]
 
 
 class _Autocast(WrapperScope[Precision]):
-    def __init__(self, precision: str | None) -> None:
+    def __init__(self, precision: str | int | None) -> None:
         self._precision = None if precision is None else precision_for(precision)
 
     def describe(self) -> str:
@@ -28,11 +28,12 @@ class _Autocast(WrapperScope[Precision]):
         return precision.autocast(run.device.type), precision
 
 
-def autocast(precision: str | None = None) -> _Autocast:
+def autocast(precision: str | int | None = None) -> _Autocast:
     """Run the block in the run's mixed precision (``"bf16-mixed"``, ``"16-mixed"``).
 
     With a "-true" precision (the default ``"32-true"``) the block runs without autocast.
     Scopes nest and the innermost wins: ``lite.autocast("32-true")`` inside a bf16 region
-    computes in float32. Yields the precision in effect.
+    computes in float32. Fabric's short spellings are accepted (``"bf16"`` is
+    ``"bf16-mixed"``). Yields the precision in effect.
     """
     return _Autocast(precision)

@@ -18,12 +18,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from scopedlite._api.collectives import barrier, broadcast
+from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
 from scopedlite._api.dataloader import DeviceDataLoader
 from scopedlite._api.join import in_join
-from scopedlite._api.loader_state import FORMAT
-from scopedlite._core.structures import map_tensors
 from scopedlite._io.files import (
     CheckpointError,
     read,
@@ -85,11 +83,10 @@ def load(
     if state is not None and loaders:
         work = {k: (None if k in loaders else v) for k, v in state.items()}
         rest = _load(path, work, strict, weights_only)
-        run = current()
         for key, value in work.items():
             if key in loaders:
                 if value is not None:  # absent only with strict=False: the loader stays as it is
-                    loaders[key]._lite_load_state(value, run.global_rank, run.world_size)
+                    loaders[key].cursor.load(value)
             else:
                 state[key] = value
         return rest
@@ -105,13 +102,8 @@ def _loader_entry(key: str, value: Any) -> Any:
         )
     if not isinstance(value, DeviceDataLoader):
         return value
-    unstarted = value._lite_unstarted_entry()
-    if unstarted is not None:  # loaded, and stopped again before the resumed pass began
-        return unstarted
-    local = value._lite_local_state()
-    run = current()
     try:
-        ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
+        return value.cursor.state()
     except RuntimeError as e:
         if not in_join():
             raise
@@ -120,7 +112,6 @@ def _loader_entry(key: str, value: Any) -> Any:
             "lite.join: a rank that ran out of data has left the loop. Save after the join "
             "block, where every rank takes part (docs/preemption.md shows the loop)."
         ) from e
-    return {"format": FORMAT, "world_size": run.world_size, "ranks": ranks}
 
 
 def _load(

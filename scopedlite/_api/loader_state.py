@@ -1,5 +1,10 @@
 """Where a loader of ``setup_dataloader`` stands, as checkpoint data, and how it resumes.
 
+Each set-up loader has a :class:`ResumeCursor`: it follows the loader's passes (which epoch,
+how many batches handed out, the random states the pass began under) and turns that into a
+checkpoint entry with :meth:`~ResumeCursor.state` and back with :meth:`~ResumeCursor.load`,
+which ``lite.save`` and ``lite.load`` call.
+
 A pass that a preemption interrupted resumes in one of two ways:
 
 - **Same world size**: every rank draws exactly the batches it would have drawn, so the run
@@ -16,74 +21,28 @@ Everything saved is tensors, numbers, strings and lists, so ``weights_only=True`
 
 from __future__ import annotations
 
+import collections
 import itertools
-import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from scopedlite._api.collectives import broadcast
+from scopedlite._api.current import current
+from scopedlite._api.epochs import PassCount, epoch_holders, hand_epoch
+from scopedlite._api.interrupted import Interrupted
+from scopedlite._api.join import in_join
+from scopedlite._api.rebuild import loader_arguments, shard_loader
+from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler
 from scopedlite._core import rng
+from scopedlite._core.structures import map_tensors
 
-__all__ = ["FORMAT", "Interrupted", "Pending", "loader_arguments", "resumed_loader", "spare_generator"]
+__all__ = ["FORMAT", "Interrupted", "Pending", "ResumeCursor", "resumed_loader", "spare_generator"]
 
 FORMAT = "scopedlite.loader/1"
-
-
-@dataclass(frozen=True)
-class Interrupted:
-    """The part of a pass's order that the ranks of a run of another size had taken.
-
-    Old rank ``r`` of ``world_size`` read positions ``r, r + w, r + 2w, ...`` of the pass's
-    order, padded (outside ``lite.join``) or not, and had taken the first ``taken[r]`` of
-    them. ``before`` is the same record for a pass that was itself a resumed one, whose order
-    was already the remainder of an earlier run's.
-    """
-
-    world_size: int
-    taken: tuple[int, ...]
-    padded: bool
-    drop_last: bool
-    before: Interrupted | None = None
-
-    def remaining(self, n: int) -> list[int]:
-        """The positions (of an order of ``n`` items) that no old rank took, in order."""
-        base = self.before.remaining(n) if self.before is not None else list(range(n))
-        m, w = len(base), self.world_size
-        if self.padded and self.drop_last:
-            limit = total = m // w * w
-        elif self.padded:
-            limit, total = m, math.ceil(m / w) * w
-        else:
-            limit = total = m
-        taken: set[int] = set()
-        for rank, count in enumerate(self.taken):
-            for position in range(rank, total, w)[:count]:
-                taken.add(position % m)
-        return [base[p] for p in range(limit) if p not in taken]
-
-    def to_state(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "taken": list(self.taken),
-            "padded": self.padded,
-            "drop_last": self.drop_last,
-            "before": self.before.to_state() if self.before is not None else None,
-        }
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any] | None) -> Interrupted | None:
-        if state is None:
-            return None
-        return cls(
-            int(state["world_size"]),
-            tuple(int(t) for t in state["taken"]),
-            bool(state["padded"]),
-            bool(state["drop_last"]),
-            cls.from_state(state["before"]),
-        )
 
 
 @dataclass(frozen=True)
@@ -135,30 +94,6 @@ class _SkipThenRestore(Sampler[Any]):
         return max(0, len(self.inner) - self.skip)
 
 
-# DataLoader arguments carried over when a loader is rebuilt (around our sampler at setup,
-# around a resumed pass here).
-_CARRIED = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-)
-
-
-def loader_arguments(loader: DataLoader) -> dict[str, Any]:  # type: ignore[type-arg]
-    """The arguments ``loader`` was built with that a rebuilt copy of it keeps."""
-    kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return kwargs
-
-
 def spare_generator() -> torch.Generator:
     """A generator for a ``DataLoader`` to draw its workers' base seed from, instead of the
     user's or torch's, where the uninterrupted run drew none: a loader with persistent workers
@@ -177,3 +112,241 @@ def resumed_loader(loader: DataLoader, pending: Pending) -> DataLoader:  # type:
         return DataLoader(loader.dataset, batch_sampler=batches, **kwargs)
     samples = _SkipThenRestore(loader.sampler, pending.skip, pending.rng, loader.generator)
     return DataLoader(loader.dataset, batch_size=None, sampler=samples, **kwargs)
+
+
+class ResumeCursor:
+    """A set-up loader's position, as a checkpoint entry and back.
+
+    The loader tells it when a pass begins (:meth:`begin_pass`) and hands its batches
+    through :meth:`counted`; ``lite.save`` takes :meth:`state` and ``lite.load`` gives it
+    back to :meth:`load`, after which the loader's next pass continues the saved one.
+
+    Args:
+        loader: The set-up (sharded) ``DataLoader``.
+        epochs: The loader's pass count, which a loaded entry moves on.
+    """
+
+    def __init__(self, loader: DataLoader, epochs: PassCount) -> None:  # type: ignore[type-arg]
+        self.loader = loader
+        self.epochs = epochs
+        self._in_pass = False
+        self._pass_epoch = epochs.next
+        self._position = 0  # batches of this pass handed out (skipped ones of a resume included)
+        self._pass_rng: dict[str, Any] | None = None
+        self._pass_padded = False
+        self._pass_share = 0  # this rank's count of sampler items in the pass
+        self._pending: Pending | None = None
+        self._pending_entry: dict[str, Any] | None = None  # the checkpoint entry _pending came from
+        # persistent workers draw their base seed once per process, when started: whether this
+        # process started them, and whether the run (before a restart) had
+        self._iterated_here = False
+        self._iterated_before = False
+        self._pass_drew_seed = True
+        self._pass_reshard: tuple[int, Interrupted | None] | None = None  # (seed, resumed) of a resharded pass
+        self._fed_generator: torch.Tensor | None = None  # see counted()
+
+    # -- following the passes --------------------------------------------------------------
+
+    def begin_pass(self, epoch: int) -> DataLoader:  # type: ignore[type-arg]
+        """Record where a pass of ``epoch`` starts and return the loader that reads it: the
+        set-up loader, or for a loaded pass, the one-pass loader that continues it."""
+        pending, self._pending, self._pending_entry = self._pending, None, None
+        if pending is not None and pending.epoch != epoch:
+            pending = None  # the script chose another epoch itself: a fresh pass of it
+        for sampler in self._sharded_samplers():
+            sampler.resumed = pending.resumed if pending is not None else None
+        generator = self.loader.generator
+        if pending is not None and pending.pass_rng is not None:
+            rng.restore(pending.pass_rng, generator)
+        self._pass_rng = rng.capture(generator)
+        self._pass_epoch = epoch
+        self._pass_padded = not in_join()
+        self._pass_share = _items(self.loader)
+        self._pass_drew_seed = not (self.loader.persistent_workers and (self._iterated_here or self._iterated_before))
+        self._pass_reshard = None
+        self._in_pass = True
+        if pending is None:
+            self._position = 0
+            return self.loader
+        self._position = pending.skip
+        self._pass_drew_seed = pending.drew_seed
+        loader = self.loader
+        if pending.reshard_seed is not None:  # one process finishing a pass begun by several
+            loader = shard_loader(self.loader, 0, 1, pending.reshard_seed)
+            holders = epoch_holders(loader)
+            hand_epoch(epoch, holders)
+            for holder in holders:
+                if isinstance(holder, (ShardedSampler, ShardedBatchSampler)):
+                    holder.resumed = pending.resumed
+            self._pass_share = _items(loader)
+            self._pass_reshard = (pending.reshard_seed, pending.resumed)
+        return resumed_loader(loader, pending)
+
+    def batches(self, loader: DataLoader) -> Iterator[Any]:  # type: ignore[type-arg]
+        """``iter(loader)``; persistent workers that the run had started before a restart are
+        started again without drawing a base seed the uninterrupted run did not draw, which
+        would shift the random stream (dropout, a shuffle from torch's generator) by one."""
+        if loader is self.loader and not self._pass_drew_seed and not self._iterated_here:
+            own, loader.generator = loader.generator, spare_generator()
+            try:
+                iterator = iter(loader)
+            finally:
+                loader.generator = own
+        else:
+            iterator = iter(loader)
+        if loader is self.loader:
+            self._iterated_here = True
+        return iterator
+
+    def counted(self, batches: Iterable[Any], generator_states: collections.deque[torch.Tensor | None] | None = None) -> Iterator[Any]:
+        """Hand out ``batches``, counting them; the pass ends when they run out.
+
+        ``generator_states``: under a feed that reads ahead, the state of the loader's
+        generator after each batch was read, one per batch, in order; a checkpoint in the
+        middle of the pass records the one of the last batch handed out.
+        """
+        for batch in batches:
+            if generator_states is not None:
+                self._fed_generator = generator_states.popleft()
+            self._position += 1
+            yield batch
+        self._in_pass, self._fed_generator = False, None
+
+    # -- checkpoint entry ------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The loader's checkpoint entry: every rank's position and random states.
+
+        A collective: every rank calls it (``lite.save`` does). A loaded entry whose pass has
+        not begun yet is returned as it was loaded, so a run stopped again before its first
+        batch loses nothing.
+        """
+        if self._pending_entry is not None:
+            return self._pending_entry
+        local = self._local_state()
+        run = current()
+        ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
+        return {"format": FORMAT, "world_size": run.world_size, "ranks": ranks}
+
+    def load(self, entry: Any, *, rank: int | None = None, world_size: int | None = None) -> None:
+        """Continue from ``entry`` (what :meth:`state` returned, possibly on another number
+        of ranks): the loader's next pass finishes the saved one, or starts the saved next
+        epoch. ``rank`` and ``world_size`` are the active run's unless given."""
+        if not (isinstance(entry, dict) and entry.get("format") == FORMAT):
+            raise ValueError(
+                "The checkpoint entry for this loader is not a loader state written by "
+                "lite.save (a loader from lite.setup_dataloader saved under the same key)."
+            )
+        run = current()
+        rank = run.global_rank if rank is None else rank
+        world_size = run.world_size if world_size is None else world_size
+        ranks: list[dict[str, Any]] = entry["ranks"]
+        mine = ranks[rank] if rank < len(ranks) else None
+        self._iterated_before = bool(ranks[0]["iterated"])
+        if not any(r["in_pass"] for r in ranks):  # saved between passes
+            self.epochs.restore(int(ranks[0]["epoch"]))
+            if mine is not None:
+                rng.restore(mine["rng"], self.loader.generator)
+            return
+        epoch = int(next(r["epoch"] for r in ranks if r["in_pass"]))
+        self._pending = self._pending_pass(epoch, ranks, mine, world_size)
+        self._pending_entry = entry
+        self.epochs.restore(epoch)
+
+    def _pending_pass(self, epoch: int, ranks: list[dict[str, Any]], mine: dict[str, Any] | None, world_size: int) -> Pending:
+        before = Interrupted.from_state(ranks[0]["resumed"])
+        if len(ranks) == world_size and mine is not None:
+            reshard = mine.get("reshard_seed")
+            return Pending(
+                epoch, int(mine["position"]), mine["pass_rng"], mine["rng"], before, bool(mine["drew_seed"]), reshard
+            )
+        sharded_here = bool(self._sharded_samplers())
+        if not (all(r["sharded"] for r in ranks) and (sharded_here or world_size == 1)):
+            raise ValueError(
+                f"This loader was saved in the middle of epoch {epoch} by a run of "
+                f"{len(ranks)} process(es) and is loaded by one of {world_size}: the rest of "
+                "a pass can be dealt out to another number of ranks only when the saving run "
+                "sharded the loader (2 or more processes, use_distributed_sampler=True) and "
+                "the loading one shards it too or is one process. Resume with the same "
+                "number of processes, or save at the end of an epoch."
+            )
+        taken = tuple(int(r["taken"]) for r in ranks)
+        interrupted = Interrupted(len(ranks), taken, bool(ranks[0]["padded"]), bool(ranks[0]["drop_last"]), before)
+        reshard = None if sharded_here else int(ranks[0]["seed"])
+        return Pending(epoch, 0, None, mine["rng"] if mine is not None else None, interrupted, True, reshard)
+
+    def _local_state(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint entry."""
+        if self._in_pass and self._position > 0:
+            _refuse_mid_pass(self.loader)
+        samplers = self._sharded_samplers()
+        resumed = samplers[0].resumed if samplers else None
+        reshard_seed = None
+        if self._in_pass and self._pass_reshard is not None:
+            reshard_seed, resumed = self._pass_reshard
+        return {
+            "in_pass": self._in_pass,
+            "epoch": self._pass_epoch if self._in_pass else self.epochs.next,
+            "position": self._position,
+            "taken": min(self._position * self._units_per_batch(), self._pass_share),
+            "padded": self._pass_padded,
+            "drop_last": bool(getattr(samplers[0], "_drop_last", False)) if samplers else False,
+            "sharded": bool(samplers) or reshard_seed is not None,
+            "seed": samplers[0].seed if samplers else reshard_seed,
+            "reshard_seed": reshard_seed,
+            "resumed": resumed.to_state() if resumed is not None else None,
+            "pass_rng": self._pass_rng,
+            "rng": self._random_states(),
+            "drew_seed": self._pass_drew_seed,
+            "iterated": self._iterated_here or self._iterated_before,
+        }
+
+    def _random_states(self) -> dict[str, Any]:
+        """The random states a resumed pass continues from: those of now, except the
+        loader's generator under a feed that read ahead (see :meth:`counted`)."""
+        states = rng.capture(self.loader.generator)
+        if self._in_pass and self._fed_generator is not None:
+            states["generator"] = self._fed_generator
+        return states
+
+    def _sharded_samplers(self) -> list[Any]:
+        return [h for h in self.epochs.holders if isinstance(h, (ShardedSampler, ShardedBatchSampler))]
+
+    def _units_per_batch(self) -> int:
+        """Sampler items per batch: the batch size when our sampler sits in a ``BatchSampler``,
+        1 when it yields whole batches itself or the loader has no batching."""
+        batch_sampler = self.loader.batch_sampler
+        if batch_sampler is None or isinstance(batch_sampler, ShardedBatchSampler):
+            return 1
+        return int(batch_sampler.batch_size)
+
+
+def _items(loader: DataLoader) -> int:  # type: ignore[type-arg]
+    """How many items this rank's sampler of ``loader`` hands out in a pass (0 if unknown)."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None or isinstance(batch_sampler, ShardedBatchSampler):
+        sampler: Any = batch_sampler if batch_sampler is not None else loader.sampler
+    else:
+        sampler = getattr(batch_sampler, "sampler", None)
+    try:
+        return len(sampler)
+    except TypeError:
+        return 0
+
+
+def _refuse_mid_pass(loader: DataLoader) -> None:  # type: ignore[type-arg]
+    """A position inside a pass is resumed by re-creating the loader for that pass: refused
+    at the save for loaders that cannot be re-created, rather than at the restart."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            "lite.save cannot record a position inside a pass of a loader over an "
+            "IterableDataset: it has no indices to skip. Save between passes, or keep the "
+            "stream's position in your dataset and save that instead of the loader."
+        )
+    if type(loader) is not DataLoader:
+        raise TypeError(
+            f"lite.save cannot record a position inside a pass of a {type(loader).__name__} "
+            "(a DataLoader subclass): the rest of the pass is read by a re-created "
+            "DataLoader. Pass a plain torch.utils.data.DataLoader to setup_dataloader, or "
+            "save between passes."
+        )

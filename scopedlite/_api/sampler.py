@@ -32,8 +32,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from scopedlite._api.interrupted import Interrupted
 from scopedlite._api.join import in_join
-from scopedlite._api.loader_state import Interrupted
 from scopedlite._api.seed import seeded_generators
 
 __all__ = ["ShardedBatchSampler", "ShardedSampler", "forward_epoch"]

@@ -11,14 +11,26 @@ import contextlib
 import contextvars
 import hashlib
 import random
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["SeedWorker", "current_seed", "seed_everything", "seed_worker", "seeded_generators"]
+__all__ = ["SeedWorker", "Seeding", "current_seed", "current_seeding", "seed_everything", "seed_worker", "seeded_generators"]
 
-_seed: contextvars.ContextVar[int] = contextvars.ContextVar("scopedlite.seed", default=0)
 _MAX = 2**32 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class Seeding:
+    """One call of ``seed_everything`` (or none yet), told apart from every other call even
+    with the same seed: what a loader's epoch count starts afresh from (see ``epochs``)."""
+
+    seed: int
+
+
+_UNSEEDED = Seeding(0)
+_seeding: contextvars.ContextVar[Seeding] = contextvars.ContextVar("scopedlite.seed", default=_UNSEEDED)
 
 
 def seed_everything(seed: int) -> int:
@@ -27,7 +39,9 @@ def seed_everything(seed: int) -> int:
     The seed is also what the distributed sampler of ``setup_dataloader`` shuffles with, so
     shuffling is reproducible; ``setup_dataloader`` takes rank 0's, so it is identical on
     every rank even if ranks seed differently. Re-executed workers run the same
-    call; forked workers inherit it.
+    call; forked workers inherit it. A loader set up after this call starts at epoch 0 even
+    when it is rebuilt over the dataset of an earlier one, so the same seed gives the same
+    order again.
 
     Returns:
         The seed.
@@ -39,13 +53,18 @@ def seed_everything(seed: int) -> int:
     if np is not None:
         np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every device as well
-    _seed.set(seed)
+    _seeding.set(Seeding(seed))
     return seed
 
 
 def current_seed() -> int:
     """The seed given to the last ``seed_everything`` in this context (0 if never called)."""
-    return _seed.get()
+    return _seeding.get().seed
+
+
+def current_seeding() -> Seeding:
+    """The last ``seed_everything`` call in this context, as an object of its own."""
+    return _seeding.get()
 
 
 def _numpy() -> Any:

@@ -10,7 +10,7 @@ import torch
 
 from scopedlite._core.structures import map_tensors
 
-__all__ = ["PRECISIONS", "Precision", "precision_for"]
+__all__ = ["FABRIC_SHORT_NAMES", "PRECISIONS", "Precision", "precision_for"]
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,37 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
+# Lightning Fabric's short spellings, with Fabric's meaning (its connector maps them so:
+# 16 is fp16 *mixed*, "bf16" is bf16 *mixed*, 32 and 64 are the "-true" precisions).
+FABRIC_SHORT_NAMES: dict[str, str] = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+
+# Names other libraries use, refused with the exact spelling that means the same here.
+_OTHER_NAMES = {
+    "fp16": ("HF Accelerate's mixed_precision name", "16-mixed"),
+    "no": ("HF Accelerate's mixed_precision name", "32-true"),
+}
+
+
 def precision_for(name: object, argument: str = "precision") -> Precision:
-    """Look up a precision by name, with an error that lists the valid names."""
-    if not isinstance(name, str) or name not in PRECISIONS:
-        raise ValueError(
-            f"{argument}={name!r} is not a precision scopedlite knows. "
-            f"Valid choices: {', '.join(repr(k) for k in PRECISIONS)}."
-        )
-    return PRECISIONS[name]
+    """Look up a precision by name, with an error that lists the valid names.
+
+    Fabric's short spellings are accepted with Fabric's meaning: ``16`` and ``"16"`` are
+    ``"16-mixed"``, ``"bf16"`` is ``"bf16-mixed"``, ``32``/``"32"`` are ``"32-true"`` and
+    ``64``/``"64"`` are ``"64-true"``.
+    """
+    key = str(name) if isinstance(name, int) and not isinstance(name, bool) else name
+    if isinstance(key, str):
+        key = FABRIC_SHORT_NAMES.get(key, key)
+        if key in PRECISIONS:
+            return PRECISIONS[key]
+        if key in _OTHER_NAMES:
+            where, replacement = _OTHER_NAMES[key]
+            raise ValueError(
+                f"{argument}={name!r} is {where}; scopedlite writes it as Fabric does: "
+                f"{argument}={replacement!r}."
+            )
+    raise ValueError(
+        f"{argument}={name!r} is not a precision scopedlite knows. "
+        f"Valid choices: {', '.join(repr(k) for k in PRECISIONS)}, or Fabric's short "
+        f"spellings {', '.join(repr(k) for k in FABRIC_SHORT_NAMES)} (16, 32, 64 as numbers too)."
+    )

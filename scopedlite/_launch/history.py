@@ -6,7 +6,7 @@ in module globals, written only here.
 
 from __future__ import annotations
 
-__all__ = ["describe_identity", "enter", "launched_before", "mark_launched"]
+__all__ = ["blocks_entered", "describe_identity", "enter", "launched_before", "mark_launched"]
 
 # Whether this process already started a multi-process block (script or fork). A worker
 # re-executing the script would run that block again, so a later block must fork.
@@ -30,6 +30,12 @@ def enter(site: str) -> str:
     """Count one more entry of the launch at ``site``; return its identity (``site#n``)."""
     _entered_at[site] = _entered_at.get(site, 0) + 1
     return f"{site}#{_entered_at[site]}"
+
+
+def blocks_entered() -> int:
+    """How many launch blocks this process has entered: what separates one use of the
+    default run (outside every block) from the next."""
+    return sum(_entered_at.values())
 
 
 def describe_identity(identity: str) -> str:

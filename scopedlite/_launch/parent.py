@@ -24,6 +24,7 @@ from scopedlite._comm.process_group import START_TIMEOUT_ENV, ready_key, start_t
 from scopedlite._core.run import Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch import history
+from scopedlite._launch.output import HeldLines, install_rank_prefix
 from scopedlite._launch.role import Role, stop_quietly
 from scopedlite._launch.stacks import CollectiveTimeoutError, collect_stacks, looks_like_timeout
 from scopedlite._launch.start import ForkChild, ForkParent, fork_workers, start_script_workers, threads_per_process
@@ -53,6 +54,7 @@ class Parent(Role):
         self.supervisor: Supervisor | None = None
         self.store: Any = None
         self.forked: ForkParent | None = None
+        self.lines: HeldLines | None = None  # rank 0's own output, whole lines for the block
 
     def spawn(self) -> Role:
         """Start the other local ranks. Returns this role, or, in a forked child, the
@@ -86,6 +88,7 @@ class Parent(Role):
     def enter(self) -> Run:
         assert self.supervisor is not None
         n = self.plan.local_world_size
+        self.lines = install_rank_prefix(0)
         try:
             self._wait_for_workers(n)
             world = World("scopedlite", 0, 0, 0, n, n, "127.0.0.1", self.store.port)
@@ -216,6 +219,9 @@ class Parent(Role):
             self.forked.close()
             self.forked = None
         self.cores.restore()
+        if self.lines is not None:
+            self.lines.restore()
+            self.lines = None
         if self.error_dir is not None:
             shutil.rmtree(self.error_dir, ignore_errors=True)
             self.error_dir = None

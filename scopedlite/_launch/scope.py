@@ -115,7 +115,7 @@ def launch(
     strategy: Any = "auto",
     devices: Any = "auto",
     num_nodes: int | None = None,
-    precision: str = "32-true",
+    precision: str | int = "32-true",
     launcher: str = "auto",
     timeout: float | datetime.timedelta | None = None,
     loggers: Logger | list[Logger] | None = None,
@@ -130,7 +130,9 @@ def launch(
         devices: ``"auto"``, a number of devices (processes on CPU), or CUDA indices.
         num_nodes: Number of nodes; None takes it from torchrun/SLURM/MPI (1 outside them).
         precision: ``"32-true"``, ``"64-true"``, ``"16-mixed"``, ``"bf16-mixed"``,
-            ``"16-true"`` or ``"bf16-true"``.
+            ``"16-true"`` or ``"bf16-true"``; Fabric's short spellings mean what they
+            mean there (``16``/``"16"``: ``"16-mixed"``, ``"bf16"``: ``"bf16-mixed"``,
+            ``32``/``"32"``: ``"32-true"``, ``64``/``"64"``: ``"64-true"``).
         launcher: ``"auto"``, ``"script"`` (re-execute the command line) or ``"fork"``.
         timeout: Seconds (or a timedelta) a collective waits for the other ranks before it
             fails; default 30 minutes.

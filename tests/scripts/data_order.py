@@ -137,7 +137,8 @@ CASES = {
 
 with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60) as run:
     record = {name: read(make) for name, make in CASES.items()}
-    record["rebuilt"] = read(CASES["shuffle"], rebuild=True)
+    shared = Indexed()  # a loader rebuilt every pass over one dataset continues its count
+    record["rebuilt"] = read(lambda: DataLoader(shared, batch_size=2, shuffle=True), rebuild=True)
     # torchrun style, resumed at epoch 20: the script sets its own sampler's epoch every pass
     resumed = DistributedSampler(Indexed(), shuffle=True, seed=5)
     record["resumed"] = read(lambda: DataLoader(Indexed(), batch_size=2, sampler=resumed), before=lambda p: resumed.set_epoch(20 + p))

@@ -64,8 +64,6 @@ def train(name, kind, join, workers, stop_at):
     state = {"model": model, "opt": opt, "loader": loader, "epoch": 0, "step": 0}
     if kind == "run" and os.path.exists(ckpt):
         lite.load(ckpt, state)  # what it holds besides `state` (an `every` run's blob) is returned
-    else:
-        loader.set_epoch(0)  # the run's pass count would go on from an earlier job's loader
     read = {}
     while state["epoch"] < EPOCHS:
         if join == "join":

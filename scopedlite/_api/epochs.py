@@ -1,0 +1,202 @@
+"""Which epoch each pass over a set-up loader is: the loader's own pass count.
+
+torch's recipe (``sampler.set_epoch(epoch)`` before each epoch) and Lightning Fabric give a
+loader's n-th pass epoch n, loader by loader, so a train and a validation loader iterated in
+turn both count 0, 1, 2, ... Each loader of ``setup_dataloader`` does the same with its own
+:class:`PassCount`, which hands the epoch to every sampler of the loader that takes one.
+
+Two rules on top, both following only the program's own calls, so every rank agrees:
+
+- A loader rebuilt over the same dataset object (inside the epoch loop, or per fold) starts
+  where the last loader over that dataset stopped, rather than at 0, which would repeat its
+  first order every epoch. :class:`EpochBook` remembers those counts, one book per run.
+- ``lite.seed_everything`` starts those remembered counts afresh, so the same seed gives the
+  same order, as in Fabric. Nothing crosses from one launch block to another, nor from one
+  use of the default run (the stretch between two launch blocks) to the next.
+
+An epoch the script sets itself wins for that pass (``sampler.set_epoch(epoch)`` on its own
+``DistributedSampler`` as a torchrun script does, or ``loader.set_epoch(epoch)``); the count
+goes on from it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
+from scopedlite._api.seed import Seeding, current_seeding
+from scopedlite._core.run import Run
+from scopedlite._launch.history import blocks_entered
+
+__all__ = ["EpochBook", "PassCount", "book_of", "epoch_holders", "hand_epoch"]
+
+# Datasets that cannot be referenced weakly (a list, a tuple, a range) are held by the book
+# to keep their identity; only the most recent ones, so that a notebook re-running a cell does
+# not keep every old list alive.
+_HELD = 8
+
+
+class _Dead:
+    """The referent of a reference to a dataset that is gone (never any dataset)."""
+
+
+_DEAD = _Dead()
+
+
+def _reference(dataset: Any) -> Any:
+    try:
+        return weakref.ref(dataset)
+    except TypeError:
+        return dataset
+
+
+def _referent(reference: Any) -> Any:
+    if isinstance(reference, weakref.ref):
+        target = reference()
+        return _DEAD if target is None else target
+    return reference
+
+
+class EpochBook:
+    """For each dataset that loaders of one run have read since the last ``seed_everything``,
+    the epoch after the last pass any of them began.
+
+    Args:
+        run: The run whose loaders it counts.
+        stretch: For the default run, how many launch blocks the process had entered when
+            the book was opened (a later block ends this use of the default run); None for
+            a launched run, whose book ends with it.
+    """
+
+    def __init__(self, run: Run, stretch: int | None) -> None:
+        self.run = run
+        self.stretch = stretch
+        # id(dataset) -> (reference to it, the seeding it was counted under, next epoch)
+        self._next: dict[int, tuple[Any, Seeding, int]] = {}
+
+    def start(self, dataset: Any) -> int:
+        """The first epoch of a loader set up now over ``dataset``: 0, or the count of the
+        last loader over the same dataset when no re-seed came since its last pass."""
+        entry = self._next.get(id(dataset))
+        if entry is None:
+            return 0
+        reference, seeding, epoch = entry
+        if _referent(reference) is not dataset or seeding is not current_seeding():
+            return 0
+        return epoch
+
+    def began(self, dataset: Any, epoch: int) -> None:
+        """A loader over ``dataset`` began a pass of ``epoch``: the next loader set up over
+        it starts at ``epoch + 1``."""
+        seeding = current_seeding()
+        entry = self._next.pop(id(dataset), None)
+        reference = entry[0] if entry is not None and _referent(entry[0]) is dataset else _reference(dataset)
+        self._next[id(dataset)] = (reference, seeding, epoch + 1)  # the most recent last
+        self._forget_old(seeding)
+
+    def _forget_old(self, seeding: Seeding) -> None:
+        for key, (reference, counted, _) in list(self._next.items()):
+            if counted is not seeding or _referent(reference) is _DEAD:
+                del self._next[key]
+        held = [key for key, (reference, _, _) in self._next.items() if not isinstance(reference, weakref.ref)]
+        for key in held[:-_HELD]:
+            del self._next[key]
+
+
+_books: contextvars.ContextVar[EpochBook | None] = contextvars.ContextVar("scopedlite.epochs", default=None)
+
+
+def book_of(run: Run) -> EpochBook:
+    """The epoch book of ``run``: a fresh one for each launch block and each use of the
+    default run."""
+    stretch = None if run.launched else blocks_entered()
+    book = _books.get()
+    if book is None or book.run is not run or book.stretch != stretch:
+        book = EpochBook(run, stretch)
+        _books.set(book)
+    return book
+
+
+def epoch_holders(loader: DataLoader) -> list[Any]:  # type: ignore[type-arg]
+    """Each distinct sampler of ``loader`` with ``set_epoch``: the sampler, the batch sampler,
+    and the user's samplers that ours wrap, so that the epoch reaches all of them."""
+    sampler, batch_sampler = loader.sampler, loader.batch_sampler
+    inner_batch_sampler = getattr(batch_sampler, "batch_sampler", None)
+    candidates = (
+        sampler,
+        getattr(sampler, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        inner_batch_sampler,
+        getattr(inner_batch_sampler, "sampler", None),
+    )
+    holders: list[Any] = []
+    for candidate in candidates:
+        if callable(getattr(candidate, "set_epoch", None)) and all(candidate is not h for h in holders):
+            holders.append(candidate)
+    return holders
+
+
+def hand_epoch(epoch: int, holders: list[Any]) -> None:
+    """``set_epoch(epoch)`` once on each of ``holders``: on ours, which pass it on to the
+    samplers they wrap, and on the others that none of ours wraps."""
+    inner = set()
+    for holder in holders:
+        if isinstance(holder, ShardedSampler):
+            inner.add(id(holder.sampler))
+        elif isinstance(holder, ShardedBatchSampler):
+            inner.update((id(holder.batch_sampler), id(getattr(holder.batch_sampler, "sampler", None))))
+    forward_epoch(epoch, *(holder for holder in holders if id(holder) not in inner))
+
+
+class PassCount:
+    """One set-up loader's epochs: its passes are ``start``, ``start + 1``, ...
+
+    Args:
+        loader: The (sharded) loader whose samplers receive the epoch.
+        start: The epoch of the first pass (see :meth:`EpochBook.start`).
+        book: Where the passes are recorded for loaders rebuilt over the same dataset.
+    """
+
+    def __init__(self, loader: DataLoader, start: int, book: EpochBook) -> None:  # type: ignore[type-arg]
+        self.next = start
+        self.holders = epoch_holders(loader)
+        self._dataset = loader.dataset
+        self._book = book
+        self._seen = self._epochs()
+
+    def begin(self) -> int:
+        """Start a pass: hand its epoch to the samplers and return it."""
+        epoch = self._set_by_script()
+        if epoch is None:
+            epoch = self.next
+        hand_epoch(epoch, self.holders)
+        self._seen = self._epochs()
+        self.next = epoch + 1
+        self._book.began(self._dataset, epoch)
+        return epoch
+
+    def restore(self, epoch: int) -> None:
+        """The next pass is ``epoch`` (a loaded checkpoint); the samplers' epochs as they are
+        now are not the script's choice."""
+        self.next = epoch
+        self._seen = self._epochs()
+        if epoch > 0:
+            self._book.began(self._dataset, epoch - 1)
+
+    def _set_by_script(self) -> int | None:
+        """An epoch set on one of the loader's samplers since the last pass, if any: a
+        script ported from torchrun or Fabric calls ``sampler.set_epoch(epoch)`` itself,
+        possibly from a resumed epoch, and that value wins, as it would without us."""
+        for holder in self.holders:
+            epoch = getattr(holder, "epoch", None)
+            if isinstance(epoch, int) and epoch != self._seen.get(id(holder)):
+                return epoch
+        return None
+
+    def _epochs(self) -> dict[int, Any]:
+        return {id(holder): getattr(holder, "epoch", None) for holder in self.holders}
