@@ -83,15 +83,11 @@ def _as_gathered(method: Callable[..., Any], depth: list[int]) -> Callable[..., 
 
 
 def _outermost_gathers(plain: Callable[..., Any], gathered: Callable[..., Any], depth: list[int]) -> Callable[..., Any]:
+    counted = _as_gathered(gathered, depth)
+
     @functools.wraps(plain)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if depth[0]:
-            return plain(*args, **kwargs)
-        depth[0] += 1
-        try:
-            return gathered(*args, **kwargs)
-        finally:
-            depth[0] -= 1
+        return (plain if depth[0] else counted)(*args, **kwargs)
 
     return call
 
