@@ -3,9 +3,10 @@
     python examples/sharded.py                              # FSDP (FSDP2), 2 CPU processes
     python examples/sharded.py --strategy deepspeed_stage_3 # DeepSpeed ZeRO-3 (pip install scopedlite[deepspeed])
 
-`with lite.sharded_init():` builds the model without ever holding all of it in one process:
-under FSDP on the meta device (`lite.setup` then allocates each rank's slice), under DeepSpeed
-ZeRO-3 through `deepspeed.zero.Init` (each parameter is partitioned as it is created). Each
+`with lite.sharded_init():` builds the model without ever holding all of it in one process,
+with the values a plain build with the same seed gives it: the build is recorded on the meta
+device, then each parameter is computed on its own and only this rank's part is kept (under
+FSDP by `lite.setup`, under DeepSpeed ZeRO-3 as the block closes). Each
 rank holds about half of every parameter, printed below. `lite.save` writes a folder with one
 shard per rank; after the block, one process merges it into a plain state dict and checks the
 loss of a plain model loaded from it against the loss measured inside the run.

@@ -68,9 +68,12 @@ def test_sharded_init_equals_a_plain_build_halves_storage_and_trains_like_one_pr
     assert out["norm_1"] == pytest.approx(norms["norm_1"], rel=1e-5)
     assert norm > 0.05  # clipping really happened
 
-    # a module whose values cannot be recreated after a meta build is refused, with the way out
-    assert "Bare owns parameters or buffers but has no reset_parameters()" in out["bare_error"]
-    assert "sharded_init(empty=True)" in out["bare_error"]
+    # a module that initialises in __init__ (no reset_parameters()) gets a plain build's values
+    torch.manual_seed(5)
+    assert out["bare"] == torch.randn(4).tolist()
+    # one that reads its own random values while it is built is refused, with the ways out
+    assert "cannot give this model the values a plain build gives it" in out["peek_error"]
+    assert "sharded_init(empty=True)" in out["peek_error"]
 
     # join refuses a model that was not set up, naming the fix
     assert "lite.join takes the models returned by lite.setup" in out["join_error"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import concurrent.futures
 import threading
 
 import pytest
@@ -62,19 +63,46 @@ def test_launch_does_not_nest():
                 pass
 
 
-def test_threads_start_without_scopes_unless_carried():
+def test_threads_started_in_a_launch_block_see_its_run():
     seen = {}
+
+    def look(key):
+        seen[key] = lite.current()
+
     with lite.launch(accelerator="cpu", precision="bf16-true") as run:
-
-        def look(key):
-            seen[key] = lite.current()
-
         plain = threading.Thread(target=look, args=("plain",))
         carried = threading.Thread(target=lite.carry(look), args=("carried",))
         plain.start(), carried.start()
         plain.join(), carried.join()
-        assert seen["carried"] is run
-        assert seen["plain"] is not run and seen["plain"].precision.name == "32-true"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            seen["pool"] = pool.submit(lite.current).result()
+    assert seen["plain"] is run and seen["carried"] is run and seen["pool"] is run
+    after = threading.Thread(target=look, args=("after",))
+    after.start(), after.join()
+    assert not seen["after"].launched  # the block is closed: the default run again
+
+
+def test_a_thread_outside_two_open_launch_blocks_is_refused():
+    entered, release = threading.Barrier(2), threading.Event()
+
+    def other_block():
+        with lite.launch(accelerator="cpu"):
+            entered.wait()
+            release.wait()
+
+    helper = threading.Thread(target=other_block)
+    helper.start()
+    try:
+        with lite.launch(accelerator="cpu") as run:
+            entered.wait()
+            assert lite.current() is run  # its own context says which
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                with pytest.raises(RuntimeError, match="2 launch blocks are open in this process"):
+                    pool.submit(lite.current).result()
+                assert pool.submit(lite.carry(lite.current)).result() is run
+    finally:
+        release.set()
+        helper.join()
 
 
 def test_autocast_nests_innermost_wins():

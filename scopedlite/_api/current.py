@@ -8,7 +8,7 @@ import os
 import torch
 
 from scopedlite._core.precision import PRECISIONS
-from scopedlite._core.run import Placement, Run, launch_var
+from scopedlite._core.run import Placement, Run, active_launch
 from scopedlite._strategies.single import SingleDeviceStrategy
 
 __all__ = ["current"]
@@ -17,12 +17,17 @@ __all__ = ["current"]
 def current() -> Run:
     """Return the active run.
 
-    Inside ``with lite.launch(...)`` that is the launched run. Outside any launch a default
-    single-process run on the best available device is returned (CUDA, else MPS, else CPU),
-    so the same functions work in a plain script, a test or a notebook cell. Threads start
-    without the launched run; use :func:`scopedlite.carry` to hand it over on purpose.
+    Inside ``with lite.launch(...)`` that is the launched run, also in a thread started inside
+    the block (threads start with empty context variables: the run open in this process is
+    theirs; with launch blocks open in two threads, a third thread is refused rather than
+    guessed for, and :func:`scopedlite.carry` hands a run over on purpose). Outside any launch
+    a default single-process run on the best available device is returned (CUDA, else MPS,
+    else CPU), so the same functions work in a plain script, a test or a notebook cell.
+
+    Raises:
+        RuntimeError: Called outside any launch block while several are open in this process.
     """
-    scope = launch_var.get()
+    scope = active_launch()
     if scope is not None:
         return scope.run  # type: ignore[no-any-return]
     return _default_run(os.getpid())

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from scopedlite._core.run import launch_var
+from scopedlite._core.run import active_launch
 from scopedlite._loggers.base import MetricLog
 
 __all__ = ["log", "log_dict"]
 
 
 def _metric_log() -> MetricLog:
-    scope = launch_var.get()  # the open launch scope, which holds the run's record
+    scope = active_launch()  # the open launch scope, which holds the run's record
     return scope.metrics if scope is not None else MetricLog((), write=False)
 
 

@@ -12,6 +12,7 @@ from scopedlite._api.current import current
 from scopedlite._api.join import active_session
 from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
+from scopedlite._private.torch_internals import compiled_parts, recompile
 from scopedlite._strategies.abilities import SupportsJointSetup, SupportsModelBackward
 
 __all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
@@ -47,11 +48,28 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     (``DistributedDataParallel`` under DDP). Returns the module to train with."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"setup_module takes a torch.nn.Module, got {type(module).__name__}.")
+    module, compiler = _uncompiled(module)
     _refuse_second_setup(module)
     run = current()
     prepared = _cast_inputs(run.strategy.setup_module(module))
+    _compile_again(prepared, compiler)
     _remember_setup(module, prepared)
     return prepared
+
+
+def _uncompiled(module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """``torch.compile(model)`` is set up as ``model``, and compiled again afterwards (see
+    :func:`_compile_again`); its state dict then has ``model``'s plain keys."""
+    parts = compiled_parts(module)
+    return (module, None) if parts is None else parts
+
+
+def _compile_again(prepared: torch.nn.Module, compiler: Any) -> None:
+    """Compile the set-up model in place with the user's ``torch.compile`` options, on the
+    part the strategy names: outside DDP's and FSDP's wrapping, as torch advises for them;
+    the module inside a DeepSpeed engine, as DeepSpeed's ``engine.compile()`` does."""
+    if compiler is not None:
+        recompile(current().strategy.compile_target(prepared), compiler)
 
 
 def _cast_inputs(prepared: torch.nn.Module) -> torch.nn.Module:
@@ -92,8 +110,10 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         for optimizer in optimizers:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"setup takes torch optimizers, got {type(optimizer).__name__}.")
+        module, compiler = _uncompiled(module)
         _refuse_second_setup(module)
         engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
+        _compile_again(engine, compiler)
         _remember_setup(module, engine)
         return (_cast_inputs(engine), *prepared_opts)
     prepared = setup_module(module)

@@ -24,8 +24,12 @@ class _ShardedInit(WrapperScope[None]):
 def sharded_init(empty: bool = False) -> _ShardedInit:
     """Modules built inside are created on the run's device and in its parameter dtype.
 
-    Sharding strategies shard them as they are built. ``empty=True`` skips weight
-    initialisation (memory is allocated, values are garbage): for models whose weights are
-    loaded from a checkpoint right after.
+    Sharding strategies (FSDP, DeepSpeed ZeRO-3) build them without allocating them and give
+    each parameter, one at a time, exactly the value a plain build with the same seed gives it
+    (initialisation in ``__init__`` and Hugging Face's ``post_init()`` included), keeping only
+    this rank's part; what cannot be replayed exactly is refused while the model is built.
+    ``empty=True`` skips the random initialisation (values are garbage; deterministic ones such
+    as ``ones`` or ``arange`` buffers are kept under sharding strategies): for models whose
+    weights are loaded right after (``lite.load``, ``lite.load_pretrained``).
     """
     return _ShardedInit(empty)

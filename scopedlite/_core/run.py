@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import datetime
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,7 @@ from scopedlite._core.precision import Precision
 if TYPE_CHECKING:
     from scopedlite._strategies.base import Strategy
 
-__all__ = ["Placement", "Run", "launch_var"]
+__all__ = ["Placement", "Run", "active_launch", "launch_var", "launches"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,57 @@ class Run(Placement):
 
 # Holds the innermost open `launch` scope (see scopedlite._launch); its `.run` is the run.
 launch_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.launch", default=None)
+
+
+class _OpenLaunches:
+    """The launch blocks open in this process, in any thread.
+
+    Threads and executors start with empty context variables, so a thread started inside a
+    launch block does not see ``launch_var``. When exactly one block is open in the process,
+    that is the run such a thread belongs to; with two open (launch blocks in two threads), a
+    thread that carries neither cannot tell which, and :func:`active_launch` refuses. This is
+    the one piece of process-wide state beside the context variables, and it only ever holds
+    the blocks that are open now.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[tuple[int, Any]] = []  # (pid, scope): a forked child inherits the list
+
+    def add(self, scope: Any) -> None:
+        with self._lock:
+            self._open.append((os.getpid(), scope))
+
+    def remove(self, scope: Any) -> None:
+        with self._lock:
+            self._open = [(pid, s) for pid, s in self._open if s is not scope and pid == os.getpid()]
+
+    def here(self) -> list[Any]:
+        pid = os.getpid()
+        with self._lock:
+            return [s for p, s in self._open if p == pid]
+
+
+launches = _OpenLaunches()
+
+
+def active_launch() -> Any:
+    """The innermost open ``launch`` scope this code runs in: the one in this context, else the
+    only one open in this process (code in a thread started inside the block), else None.
+
+    Raises:
+        RuntimeError: No scope in this context and several open in this process.
+    """
+    scope = launch_var.get()
+    if scope is not None:
+        return scope
+    open_here = launches.here()
+    if len(open_here) > 1:
+        blocks = "; ".join(s.describe() for s in open_here)
+        raise RuntimeError(
+            f"This thread runs outside any launch block, and {len(open_here)} launch blocks are "
+            f"open in this process ({blocks}), so it cannot tell which run it belongs to. Start "
+            "the thread with the run it belongs to: `threading.Thread(target=lite.carry(fn))` "
+            "from inside that block."
+        )
+    return open_here[0] if open_here else None

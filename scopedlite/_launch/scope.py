@@ -85,6 +85,7 @@ class _Launch(Scope[Run]):
         self.role = self._role_for(plan, identity)
         run = self.role.enter()
         self.metrics = MetricLog(plan.loggers, write=run.is_global_zero)
+        _run.launches.add(self)  # threads started in the block find the run (core/run.py)
         return run
 
     def _role_for(self, plan: Plan, identity: str) -> Role:
@@ -106,6 +107,7 @@ class _Launch(Scope[Run]):
             self.role.quiet()
         except BaseException as late:  # a worker's failure interrupted us as the block ended
             exc = exc if exc is not None else late
+        _run.launches.remove(self)
         self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next
         return self.role.exit(exc)
 

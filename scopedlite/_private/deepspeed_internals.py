@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["forget_forward_stack", "is_zero3_partitioned"]
+__all__ = ["forget_forward_stack", "is_zero3_partitioned", "zero3_partition"]
 
 
 def is_zero3_partitioned(module: torch.nn.Module) -> bool:
@@ -62,3 +62,26 @@ def _lru_cache_of(function: Any) -> Any:
             inner = next((c for c in cells if callable(c)), None)
         function = inner
     return None
+
+
+def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[int, ...]] | None:
+    """This rank's partition of a ZeRO-3 parameter: (its flat local tensor, the offset of its
+    first element in the flattened full parameter, how many elements it holds, the full
+    shape). None for a parameter that is not partitioned.
+
+    Why private: loading pretrained weights into a partitioned model should read only this
+    rank's elements from the file. DeepSpeed keeps the partition in ``param.ds_tensor``
+    (rank r holds flat elements ``[r * ds_tensor.numel(), ...)`` of the parameter, zero-padded
+    past ``ds_numel``), with no public accessor before the engine is built. Checked against
+    deepspeed 0.19.8 (``Init._partition_param``).
+    """
+    local = getattr(param, "ds_tensor", None)
+    if local is None or not hasattr(param, "ds_numel"):
+        return None
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group=param.ds_process_group) if dist.is_initialized() else 0
+    size = local.numel()
+    start = size * rank
+    count = max(0, min(size, param.ds_numel - start))
+    return local, start, count, tuple(param.ds_shape)

@@ -6,35 +6,25 @@ torch 2.13.0.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch.distributed import distributed_c10d
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["cpu_twin", "overwrite_buffers", "set_group_timeout"]
-
-
-def cpu_twin(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Module:
-    """A shallow copy of ``module`` with full-size CPU tensors of its own and no children.
-
-    Why private: FSDP's ``sharded_init`` must run one module's ``reset_parameters()`` on
-    full-size tensors without building the whole model again. Only a module of the user's
-    class, created without ``__init__`` (``object.__new__``: a sharded module's class would
-    build FSDP state) and given its own ``_parameters``/``_buffers`` dicts, does that; no
-    public constructor copies a module without its children.
-    """
-    twin = object.__new__(cls)  # the user's class: a sharded module's class builds FSDP state
-    twin.__dict__.update(module.__dict__)
-    twin._parameters = {
-        n: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-        for n, p in module._parameters.items()
-        if p is not None
-    }
-    twin._buffers = {
-        n: torch.zeros(b.shape, dtype=b.dtype) for n, b in module._buffers.items() if b is not None
-    }
-    twin._modules = {}
-    return twin
+__all__ = [
+    "OpFacts",
+    "OpInterceptor",
+    "compiled_parts",
+    "op_facts",
+    "overwrite_buffers",
+    "recompile",
+    "set_group_timeout",
+    "storage_key",
+]
 
 
 def set_group_timeout(timeout: Any) -> None:
@@ -64,3 +54,95 @@ def overwrite_buffers(buffers: list[torch.Tensor], values: list[torch.Tensor]) -
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
         for buffer, value in zip(buffers, values):
             buffer.copy_(value)
+
+
+class OpInterceptor(TorchDispatchMode):
+    """A context in which every aten operation goes through :meth:`intercept` first.
+
+    Why private: ``sharded_init`` records how a model is built, operation by operation, on
+    the meta device, and refuses what it cannot replay. ``TorchDispatchMode`` is documented
+    (the ``__torch_dispatch__`` extension point) but lives in ``torch.utils._python_dispatch``;
+    no public module exports it. Checked against torch 2.3-2.13.
+    """
+
+    def intercept(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.intercept(func, tuple(args), dict(kwargs or {}))
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity of ``tensor``'s storage, shared by every view of it (meta tensors too).
+
+    Why private: views, ``nn.Parameter`` and ``.data`` make several tensor objects over one
+    storage, and a meta tensor has no data pointer to tell storages apart. The address of the
+    storage's ``StorageImpl`` (``UntypedStorage._cdata``) is what torch itself uses for this
+    (``torch.multiprocessing.reductions.StorageWeakRef``). The caller keeps the storage alive
+    while it uses the key, so the address is not reused.
+    """
+    return int(tensor.untyped_storage()._cdata)
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    """What the schema of one aten operation says (see :func:`op_facts`)."""
+
+    random: bool  # draws from a random generator
+    factory: bool  # creates a tensor from no tensor (has a ``device`` argument and no tensor input)
+    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments it writes in place
+    takes_generator: bool
+
+
+@functools.lru_cache(maxsize=None)
+def op_facts(func: Any) -> OpFacts:
+    """Read an aten operation's schema: random or not, factory or not, which arguments it writes.
+
+    Why private: an ``OpOverload``'s schema (``func._schema``) is the only place that says
+    which arguments an operation mutates (``Tensor(a!)``) and which are tensors; torch's own
+    passes read it the same way. The random tag is public (``torch.Tag.nondeterministic_seeded``).
+    Checked against torch 2.13.
+    """
+    schema = func._schema
+    arguments = list(schema.arguments)
+    tensor_input = any(
+        isinstance(a.type, (torch.TensorType, torch.OptionalType, torch.ListType)) and "Tensor" in str(a.type)
+        for a in arguments
+    )
+    written = tuple((i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+    names = {a.name for a in arguments}
+    return OpFacts(
+        random=torch.Tag.nondeterministic_seeded in func.tags,
+        factory="device" in names and not tensor_input,
+        written=written,
+        takes_generator="generator" in names,
+    )
+
+
+def compiled_parts(module: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[Any], Any]] | None:
+    """For a module returned by ``torch.compile(model)``: the original module and a function
+    that compiles a callable with the same options. None for any other module.
+
+    Why private: ``torch.compile(model)`` returns an ``OptimizedModule`` whose parameters and
+    state dict keys carry an ``_orig_mod.`` prefix, and whose options (backend, mode,
+    fullgraph, dynamic) live only in its ``dynamo_ctx``; torch keeps no public record of them.
+    ``lite.setup`` sets up ``_orig_mod`` and compiles the strategy's wrapper with the same
+    ``dynamo_ctx``, exactly as ``torch.compile`` would have. Checked against torch 2.13.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
+        return None
+    return module._orig_mod, module.dynamo_ctx
+
+
+def recompile(module: torch.nn.Module, compiler: Callable[[Any], Any]) -> None:
+    """Compile ``module`` in place with ``compiler`` (from :func:`compiled_parts`), as the
+    public ``module.compile(**options)`` does: its ``__call__`` runs compiled, the object and
+    its state dict keys stay as they are.
+
+    Why private: ``nn.Module.compile`` takes the options as arguments, which an
+    ``OptimizedModule`` does not give back; it stores the compiled call in
+    ``_compiled_call_impl``, which is set here from the original's ``dynamo_ctx``. Checked
+    against torch 2.13.
+    """
+    module._compiled_call_impl = compiler(module._call_impl)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 import torch
 
 from scopedlite._core.init import on_device, skip_init
+from scopedlite._io.pretrained import PretrainedWeights
+from scopedlite._strategies.weights import load_weights
 
 if TYPE_CHECKING:
     from scopedlite._cluster.environments import World
@@ -88,6 +90,12 @@ class Strategy(ABC):
         """The user's module inside whatever wrapper :meth:`setup_module` added."""
         return module
 
+    def compile_target(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The part of the set-up ``module`` that a ``torch.compile``d model is compiled again
+        on: by default the set-up model itself (torch's advice for DDP and FSDP: compile
+        outside the wrapper)."""
+        return module
+
     def module_init_context(self, empty: bool) -> ContextManager[Any]:
         """Where and how modules are built inside ``lite.sharded_init()``."""
         stack = contextlib.ExitStack()
@@ -139,6 +147,11 @@ class Strategy(ABC):
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def load_weights(self, module: torch.nn.Module, weights: PretrainedWeights, strict: bool) -> None:
+        """Copy pretrained ``weights`` into the set-up ``module``, each rank reading only the
+        part it holds (``weights.py``)."""
+        load_weights(self.unwrap(module), weights, strict)
 
     def describe(self) -> str:
         return f"strategy={self.name!r}"

@@ -21,31 +21,78 @@ library, rather than wrapping it again, is what FSDP2's ``fully_shard`` does too
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["SetUpDDP", "UserModelView", "present_as_user_model", "user_method_names", "view_class"]
+__all__ = [
+    "SAVING_METHODS",
+    "SetUpDDP",
+    "UserModelView",
+    "present_as_user_model",
+    "saving_method",
+    "share_tied",
+    "user_method_names",
+    "user_owns",
+    "view_class",
+]
 
 # Classes defined in these packages are the wrappers' and torch's, not the user's.
 _LIBRARY_PREFIXES = ("torch.", "deepspeed.", "scopedlite.")
+# torch.nn.Module's own API (train, to, parameters, ...): the wrapper's, which applies it to the
+# user's module too, even where the user's class overrides it (Hugging Face overrides `to`,
+# `train`, `half`, ...); and the attributes every module instance carries.
+_MODULE_API = frozenset(dir(torch.nn.Module)) | frozenset(vars(torch.nn.Module()))
+# Methods that save the model's weights: they read parameters and run no forward.
+SAVING_METHODS = frozenset({"save_pretrained"})
+
+
+def _user_classes(cls: type) -> list[type]:
+    return [
+        klass
+        for klass in cls.__mro__
+        if klass is not object and not klass.__module__.startswith(_LIBRARY_PREFIXES) and klass.__module__ != "torch"
+    ]
 
 
 def user_method_names(cls: type[torch.nn.Module]) -> list[str]:
     """The plain methods the user's classes define on ``cls`` (not torch's, not ``forward``,
-    not dunders): the ones that must run the way ``forward`` runs."""
+    not dunders, not torch.nn.Module's API): the ones that must run the way ``forward`` runs."""
     names: dict[str, None] = {}
-    for klass in cls.__mro__:
-        if klass is object or klass.__module__.startswith(_LIBRARY_PREFIXES) or klass.__module__ == "torch":
-            continue
+    for klass in _user_classes(cls):
         for name, value in vars(klass).items():
-            if name == "forward" or (name.startswith("__") and name.endswith("__")):
+            if name == "forward" or name in _MODULE_API or name in SAVING_METHODS or (name.startswith("__") and name.endswith("__")):
                 continue
             if callable(value) and not isinstance(value, (staticmethod, classmethod, type)):
                 names.setdefault(name, None)
     return list(names)
+
+
+@functools.cache
+def _class_names(cls: type) -> frozenset[str]:
+    """Every name (methods, properties, class attributes) the user's classes define on ``cls``."""
+    return frozenset(
+        name
+        for klass in _user_classes(cls)
+        for name in vars(klass)
+        if name != "forward" and name not in _MODULE_API and not (name.startswith("__") and name.endswith("__"))
+    )
+
+
+def user_owns(inner: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is the user's own on ``inner``: an attribute its ``__init__`` set, one of
+    its own parameters, buffers or submodules, or anything its (non-torch) classes define."""
+    if name.startswith("__") and name.endswith("__"):
+        return False
+    own = inner.__dict__
+    if name in own:
+        return name not in _MODULE_API
+    if any(name in own.get(store, {}) for store in ("_parameters", "_buffers", "_modules")):
+        return True
+    return name in _class_names(type(inner))
 
 
 class UserModelView(torch.nn.Module):
@@ -77,8 +124,19 @@ class UserModelView(torch.nn.Module):
                 f"'{type(self).__name__}' object (the model returned by lite.setup) has no "
                 f"attribute {name!r}, and neither has the {type(inner).__name__} inside it."
             )
+        return self._lite_user_attribute(inner, name)
+
+    def _lite_user_attribute(self, inner: torch.nn.Module, name: str) -> Any:
+        """``inner``'s attribute ``name`` as the set-up model answers it."""
+        if name in SAVING_METHODS:
+            return self._lite_saving_method(inner, name)
         if name in _methods_of(type(inner)):
             return _through_forward(self, inner, name)
+        return getattr(inner, name)
+
+    def _lite_saving_method(self, inner: torch.nn.Module, name: str) -> Any:
+        """A method that saves the weights (``save_pretrained``): where every rank holds them
+        whole (DDP), the user's own, called directly, on any subset of ranks."""
         return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -128,7 +186,7 @@ def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) 
             # attributes to look into (ZeRO-3 calls vars() on it), so it travels boxed.
             return out if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__") else _Boxed(out)
 
-        inner.forward = redirected  # type: ignore[method-assign]
+        inner.forward = _not_traced(redirected)  # type: ignore[method-assign]
         try:
             out = wrapper(*args, **kwargs)
         finally:
@@ -136,6 +194,12 @@ def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) 
         return out.value if isinstance(out, _Boxed) else out
 
     return call
+
+
+def _not_traced(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A compiled wrapper (``torch.compile``) traces its forward: not the user's method run in
+    its place. (Nothing is compiled while torch's compiler was never imported.)"""
+    return torch.compiler.disable(method) if "torch._dynamo" in sys.modules else method
 
 
 class _Boxed:
@@ -150,6 +214,37 @@ def _restore_forward(inner: torch.nn.Module, had_own: bool, own: Any) -> None:
         inner.forward = own  # type: ignore[method-assign]
     else:
         inner.__dict__.pop("forward", None)
+
+
+def saving_method(method: Callable[..., Any], full_state: Callable[[], dict[str, Any]]) -> Callable[..., Any]:
+    """``method`` (``save_pretrained``) of a model whose weights are sharded: every rank calls
+    it, ``full_state()`` gathers the plain model's full state dict to rank 0, rank 0 writes it
+    (``state_dict=``, unless the caller passes one), and the other ranks wait until it has."""
+
+    @functools.wraps(method)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        state = full_state()
+        result = None
+        if torch.distributed.get_rank() == 0:
+            kwargs.setdefault("state_dict", state)
+            result = method(*args, **kwargs)
+        torch.distributed.barrier()
+        return result
+
+    return save
+
+
+def share_tied(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Make the names of one tied parameter hold one tensor in ``state``, as they do in the
+    plain module's state dict (savers drop the duplicates by storage)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for group in names.values():
+        present = [n for n in group if n in state]
+        for name in present[1:]:
+            state[name] = state[present[0]]
+    return state
 
 
 class SetUpDDP(UserModelView, DistributedDataParallel):

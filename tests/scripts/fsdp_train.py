@@ -88,13 +88,23 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", precision=prec
             super().__init__()
             self.w = torch.nn.Parameter(torch.randn(4))
 
+    torch.manual_seed(5)
     with lite.sharded_init():
         bare = Bare()
+    out["bare"] = full(lite.setup(bare).w).tolist()
+
+    class Peeks(torch.nn.Module):  # reads its own random values while it is built
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+            self.positive = bool(self.w.sum() > 0)
+
     try:
-        lite.setup(bare)
-        out["bare_error"] = None
-    except TypeError as e:
-        out["bare_error"] = str(e)
+        with lite.sharded_init():
+            Peeks()
+        out["peek_error"] = None
+    except RuntimeError as e:
+        out["peek_error"] = str(e)
 
     try:  # join takes the models set up in this run, never a plain module
         with lite.join(make_net()):

@@ -237,7 +237,7 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
         result["setup_without_optimizer"] = "no error"
     except ValueError as e:
         result["setup_without_optimizer"] = str(e)
-    result["shadow_warnings"] = [str(w.message) for w in caught if "model.module.config" in str(w.message)]
+    result["shadow_warnings"] = [str(w.message) for w in caught if "config" in str(w.message)]
 
     if run.is_global_zero:
         write(result)

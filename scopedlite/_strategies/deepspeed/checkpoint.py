@@ -65,7 +65,7 @@ def load_checkpoint(strategy: DeepSpeedStrategy, path: str | os.PathLike[str], s
             "dict, load it into the model before lite.setup."
         )
     engine, wanted = _split_state(strategy, state, "lite.load")
-    user_optimizer = getattr(engine, "_lite_user_optimizer", None)
+    user_optimizer = strategy.optimizer_of(engine)
     load_optimizer = user_optimizer is not None and any(v is user_optimizer for v in state.values())
     with filtered_warnings():
         loaded, client = engine.load_checkpoint(
@@ -95,10 +95,10 @@ def _split_state(strategy: DeepSpeedStrategy, state: dict[str, Any], caller: str
     engine = engines[0]
     client: dict[str, Any] = {}
     for key, value in state.items():
-        if value is engine or value is getattr(engine, "_lite_user_optimizer", None):
+        if value is engine or value is strategy.optimizer_of(engine):
             continue
         if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
-            if isinstance(value, torch.optim.Optimizer) and getattr(value, "_lite_engine", None) is not None:
+            if isinstance(value, torch.optim.Optimizer) and strategy.model_of(value) is not None:
                 raise ValueError(
                     f"{caller}: state[{key!r}] is the optimizer of another model; "
                     "strategy='deepspeed' saves one engine per checkpoint."

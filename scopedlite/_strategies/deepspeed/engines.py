@@ -11,38 +11,47 @@ gradients and the clipping. What DDP users write must keep working:
 - ``lite.clip_gradients`` by norm or by value, between backward and step, on the full
   gradients DeepSpeed assembles (``deepspeed.utils.safe_get_full_grad`` and
   ``safe_update_full_grad_vectorized``, public API);
-- the engine answers the user's attributes and methods, and its state dict is the plain
-  module's (:class:`EngineView`);
+- the set-up model is the user's model (:class:`EngineView`): the names of the user's module
+  (``model.config``, ``model.generate``, any attribute, even one the engine also has) are the
+  user's; every other name is the engine's;
 - a model the user drops is released. DeepSpeed's gradient hooks live on the parameters, in
   C++, and point back at the engine: an engine is never garbage, so its drop cannot be seen
   on it. The user is therefore handed a *second face* of the engine (:func:`user_facing`),
   which shares the engine's attributes (one ``__dict__``) and class, and which nothing of
   DeepSpeed references: when the user lets go of it, ``engine.destroy()`` removes the hooks
   and the engine, its optimizer and its parameters are freed.
+
+What the run knows about each engine (its optimizer, its parameters, the backward passes since
+the last step, how to release it) lives in :class:`Engines`, owned by the strategy; nothing is
+written onto DeepSpeed's objects.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
+import functools
 import weakref
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from scopedlite._private.deepspeed_internals import forget_forward_stack
-from scopedlite._strategies.user_model import (
-    UserModelView,
-    user_method_names,
-    view_class,
-)
+from scopedlite._strategies.user_model import UserModelView, saving_method, user_owns, view_class
 
-__all__ = ["EngineView", "Engines", "accumulating", "clip_full_gradients", "release_engine", "user_facing", "warn_shadowed"]
+__all__ = ["EngineRecord", "EngineView", "Engines", "accumulating", "clip_full_gradients", "user_facing"]
 
 
 class EngineView(UserModelView):
-    """A DeepSpeed engine that answers for the user's module (mixed in by ``view_class``).
+    """A DeepSpeed engine that is the user's model (mixed in by ``view_class``).
+
+    Names resolve in this order: the face's own (this class's methods, dunders); the user's
+    module's own names (see ``user_owns``: its attributes, submodules, and everything its
+    classes define, e.g. a Hugging Face model's ``config``, ``generate``, ``device``); then
+    the engine's, bound to the engine itself, so DeepSpeed's code never sees the user's names
+    (an engine method that returns the engine returns this face instead). Setting a name the
+    user's module owns sets it there.
 
     Under ZeRO-3 each rank holds a slice of every parameter: ``state_dict()`` gathers the
     full values (every rank must call it, as every rank calls forward) and
@@ -51,10 +60,34 @@ class EngineView(UserModelView):
     back.
     """
 
+    __slots__ = ("_lite_engine",)  # the engine object itself; a slot, outside the shared __dict__
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _FACE_NAMES or (name.startswith("__") and name.endswith("__")):
+            return object.__getattribute__(self, name)
+        engine = object.__getattribute__(self, "_lite_engine")
+        inner = engine.__dict__["_modules"].get("module")
+        if inner is not None and user_owns(inner, name):
+            return object.__getattribute__(self, "_lite_user_attribute")(inner, name)
+        value = getattr(engine, name)
+        if callable(value) and getattr(value, "__self__", None) is engine:
+            return _answering_for(self, engine, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        engine = object.__getattribute__(self, "_lite_engine")
+        inner = engine.__dict__["_modules"].get("module")
+        setattr(inner if inner is not None and user_owns(inner, name) else engine, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        engine = object.__getattribute__(self, "_lite_engine")
+        inner = engine.__dict__["_modules"].get("module")
+        delattr(inner if inner is not None and user_owns(inner, name) else engine, name)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         inner = self._lite_inner()
         assert inner is not None
-        if self.zero_optimization_stage() != 3 or kwargs.get("keep_vars"):
+        if not _partitioned(self) or kwargs.get("keep_vars"):
             return inner.state_dict(*args, **kwargs)
         import deepspeed
 
@@ -68,7 +101,7 @@ class EngineView(UserModelView):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         inner = self._lite_inner()
         assert inner is not None
-        if self.zero_optimization_stage() == 3:
+        if _partitioned(self):
             import deepspeed
 
             # Every rank loads the same values; rank 0's are scattered on exit.
@@ -76,48 +109,91 @@ class EngineView(UserModelView):
                 result = inner.load_state_dict(state_dict, strict=strict, assign=assign)
         else:
             result = inner.load_state_dict(state_dict, strict=strict, assign=assign)
-        refresh = getattr(self.optimizer, "refresh_fp32_params", None)
+        refresh = getattr(self._lite_engine.optimizer, "refresh_fp32_params", None)
         if refresh is not None:
             refresh()
         return result
 
+    def _lite_saving_method(self, inner: torch.nn.Module, name: str) -> Any:
+        """``save_pretrained`` under ZeRO-3: every rank calls it; the parameters are gathered
+        one at a time and rank 0 writes the plain model's full weights."""
+        method = getattr(inner, name)
+        if not _partitioned(self):
+            return method
+        return saving_method(method, functools.partial(_gathered_state, inner))
 
-def warn_shadowed(engine: Any) -> list[str]:
-    """Warn about the user's attributes and methods the engine has names of its own for.
+    def _lite_inner(self) -> torch.nn.Module | None:
+        return object.__getattribute__(self, "_lite_engine").__dict__["_modules"].get("module")  # type: ignore[no-any-return]
 
-    The engine stays the object DeepSpeed calls into (``self.step``, ``self.config``, ...), so
-    its own names keep their meaning there and on the set-up model; the user's are then
-    reached through ``model.module``. Returns the names.
-    """
-    inner = engine.module
-    own = [name for name in vars(inner) if not name.startswith("_") and name != "training"]
-    children = [name for name, _ in (*inner.named_parameters(recurse=False), *inner.named_buffers(recurse=False), *inner.named_children())]
-    candidates = [*own, *children, *user_method_names(type(inner))]
-    shadowed = sorted({n for n in candidates if n != "module" and (hasattr(type(engine), n) or n in vars(engine))})
-    if shadowed:
-        warnings.warn(
-            f"Under strategy='deepspeed' the model lite.setup returns is DeepSpeed's engine, which "
-            f"has attributes of its own named {shadowed}: on the set-up model they are the "
-            f"engine's. Reach your {type(inner).__name__}'s as `model.module.{shadowed[0]}`, or "
-            "rename them.",
-            stacklevel=4,
-        )
-    return shadowed
+    @property
+    def lite_always_through_forward(self) -> bool:  # type: ignore[override]
+        """Under ZeRO-3 parameters are gathered in forward only: the user's methods always go
+        through it."""
+        return _partitioned(self)
 
 
-def user_facing(engine: Any, always_through_forward: bool) -> Any:
+_FACE_NAMES = frozenset(
+    name for klass in (EngineView, UserModelView) for name in vars(klass) if name not in ("__getattr__",)
+) | {"_lite_engine"}
+
+
+def _partitioned(face: Any) -> bool:
+    return bool(object.__getattribute__(face, "_lite_engine").zero_optimization_stage() == 3)
+
+
+def _answering_for(face: Any, engine: Any, method: Any) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        return face if result is engine else result  # `model = model.to(device)` keeps the face
+
+    return call
+
+
+def _gathered_state(inner: torch.nn.Module) -> dict[str, Any]:
+    """The full state dict of a ZeRO-3 module on rank 0 (empty elsewhere), gathered one
+    parameter at a time; tied parameters stay one tensor under their names."""
+    import deepspeed
+
+    rank = torch.distributed.get_rank()
+    state: dict[str, Any] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for key, value in inner.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.nn.Parameter) or not hasattr(value, "ds_numel"):
+            if rank == 0:
+                state[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            continue
+        if id(value) not in copies:
+            with deepspeed.zero.GatheredParameters([value], modifier_rank=None):
+                copies[id(value)] = value.detach().clone() if rank == 0 else torch.empty(0)
+        if rank == 0:
+            state[key] = copies[id(value)]
+    return state
+
+
+def user_facing(engine: Any) -> Any:
     """The object ``lite.setup`` returns for ``engine`` (see the module docstring).
 
     It is an instance of a subclass of the engine's class with :class:`EngineView` mixed in,
-    sharing the engine's ``__dict__``: every attribute, hook and method is the engine's, so
-    DeepSpeed and ``isinstance(model, DeepSpeedEngine)`` see no difference, but it is a
-    different object, held only by the user.
+    sharing the engine's ``__dict__``: every hook and attribute is the engine's, so DeepSpeed
+    and ``isinstance(model, DeepSpeedEngine)`` see no difference, but it is a different
+    object, held only by the user.
     """
     face = object.__new__(view_class(type(engine), EngineView, "SetUpDeepSpeedEngine"))
     object.__setattr__(face, "__dict__", engine.__dict__)
-    face.lite_always_through_forward = always_through_forward
-    face._lite_release = weakref.finalize(face, _release, engine)
+    object.__setattr__(face, "_lite_engine", engine)
     return face
+
+
+@dataclass(eq=False)
+class EngineRecord:
+    """What the run knows about one engine (keyed by the face the user holds)."""
+
+    engine: Any
+    optimizer: torch.optim.Optimizer | None
+    parameter_ids: frozenset[int]
+    release: weakref.finalize
+    synced_backwards: int = field(default=0)
 
 
 def _release(engine: Any) -> None:
@@ -125,27 +201,45 @@ def _release(engine: Any) -> None:
     forget_forward_stack(engine.module)
 
 
-def release_engine(model: Any) -> None:
-    """``engine.destroy()`` once, now (the run ends) or when the user drops ``model``. Local
-    work only, no collective: ranks may drop a model at different moments."""
-    model._lite_release()
-
-
 class Engines:
-    """Weak references to the run's engines, in setup order."""
+    """The run's set-up DeepSpeed models (faces), weakly, in setup order, with their records."""
 
     def __init__(self) -> None:
-        self._refs: list[weakref.ref[Any]] = []
+        self._faces: list[weakref.ref[Any]] = []
+        self._records: weakref.WeakKeyDictionary[Any, EngineRecord] = weakref.WeakKeyDictionary()
 
-    def add(self, engine: Any) -> None:
-        self._refs = [r for r in self._refs if r() is not None]
-        self._refs.append(weakref.ref(engine))
-        engine._lite_parameter_ids = frozenset(id(p) for p in engine.module.parameters())
+    def add(self, face: Any, engine: Any, optimizer: torch.optim.Optimizer | None) -> EngineRecord:
+        """Register ``face``; ``engine.destroy()`` runs once, when the user drops the face or
+        the run ends (local work only, no collective: ranks may drop a model at different
+        moments)."""
+        self._faces = [r for r in self._faces if r() is not None]
+        self._faces.append(weakref.ref(face))
+        record = EngineRecord(
+            engine=engine,
+            optimizer=optimizer,
+            parameter_ids=frozenset(id(p) for p in engine.module.parameters()),
+            release=weakref.finalize(face, _release, engine),
+        )
+        self._records[face] = record
+        return record
 
     def alive(self) -> list[Any]:
-        return [e for e in (r() for r in self._refs) if e is not None]
+        return [e for e in (r() for r in self._faces) if e is not None]
 
-    def for_backward(self, loss: torch.Tensor, model: Any, engine_class: type) -> Any:
+    def record(self, face: Any) -> EngineRecord | None:
+        try:
+            return self._records.get(face)
+        except TypeError:  # not hashable: not ours
+            return None
+
+    def face_of_optimizer(self, optimizer: Any) -> Any:
+        return next((f for f in self.alive() if self._records[f].optimizer is optimizer), None)
+
+    def release_all(self) -> None:
+        for face in self.alive():
+            self._records[face].release()
+
+    def for_backward(self, loss: torch.Tensor, model: Any, engine_class: type) -> EngineRecord:
         """The engine ``lite.backward(loss, model=model)`` must drive."""
         engines = self.alive()
         if model is not None:
@@ -155,11 +249,9 @@ class Engines:
                     f"run, got a {type(model).__name__}. Pass the set-up model: "
                     "`model, opt = lite.setup(model, opt)` ... `lite.backward(loss, model=model)`."
                 )
-            _needs_optimizer(model)
-            return model
+            return _needs_optimizer(self._records[model])
         if len(engines) == 1:
-            _needs_optimizer(engines[0])
-            return engines[0]
+            return _needs_optimizer(self._records[engines[0]])
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             raise RuntimeError(
                 "lite.backward got a loss that does not require grad: it was computed without "
@@ -167,11 +259,11 @@ class Engines:
                 "backpropagate."
             )
         reached = _parameters_reached(loss)
-        found = [e for e in engines if e._lite_parameter_ids & reached]
-        training = [e for e in found if getattr(e, "_lite_user_optimizer", None) is not None]
+        found = [self._records[e] for e in engines if self._records[e].parameter_ids & reached]
+        training = [r for r in found if r.optimizer is not None]
         if len(training) == 1:
             return training[0]
-        names = ", ".join(type(e.module).__name__ for e in found) or "none"
+        names = ", ".join(type(r.engine.module).__name__ for r in found) or "none"
         if not found:
             raise RuntimeError(
                 f"lite.backward: the loss depends on none of the {len(engines)} models set up in "
@@ -189,13 +281,14 @@ class Engines:
         )
 
 
-def _needs_optimizer(engine: Any) -> None:
-    if getattr(engine, "_lite_user_optimizer", None) is None:
+def _needs_optimizer(record: EngineRecord) -> EngineRecord:
+    if record.optimizer is None:
         raise RuntimeError(
-            f"lite.backward: the {type(engine.module).__name__} was set up without an optimizer "
+            f"lite.backward: the {type(record.engine.module).__name__} was set up without an optimizer "
             "(evaluation only), so DeepSpeed cannot train it. Set it up with its optimizer: "
             "`model, opt = lite.setup(model, opt)`."
         )
+    return record
 
 
 def _parameters_reached(loss: torch.Tensor) -> frozenset[int]:

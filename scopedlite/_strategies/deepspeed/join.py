@@ -99,7 +99,7 @@ class DeepSpeedReplay:
         # Through the user's optimizer, as on the active ranks: its step is rerouted to the
         # engine, and the engine's own call back into it must reach the real step.
         engine = self.engines[index]
-        optimizer = getattr(engine, "_lite_user_optimizer", None)
+        optimizer = self.strategy.optimizer_of(engine)
         (optimizer if optimizer is not None else engine).step()
 
     def sync_flag(self, index: int) -> bool:

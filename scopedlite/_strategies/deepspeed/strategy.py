@@ -7,8 +7,9 @@ failures and the end of the run work exactly as under DDP. What is DeepSpeed's o
 - ``lite.setup(model, opt)`` calls ``deepspeed.initialize``; the engine is the model it
   returns. The optimizer it returns is the user's own torch optimizer, whose ``step`` goes
   through ``engine.step()`` (the engine reduces, clips, steps and zeroes gradients).
-- ``lite.sharded_init()`` under ZeRO-3 is ``deepspeed.zero.Init``: parameters are partitioned
-  as they are created, so no rank ever holds the whole model.
+- ``lite.sharded_init()`` under ZeRO-3 records the build and partitions the parameters one at
+  a time as the block closes (``deepspeed.zero.Init(module=...)``), each with the value a
+  plain build gives it: no rank ever holds the whole model (``init.py``).
 - ``lite.save``/``lite.load`` write and read the engine's sharded checkpoint directory.
 
 DeepSpeed is imported when the strategy starts, never at ``import scopedlite``.
@@ -25,20 +26,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
-from scopedlite._core.init import skip_init
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
 from scopedlite._strategies.deepspeed.config import ZeroSettings, half_dtype
 from scopedlite._strategies.deepspeed.engines import (
+    EngineRecord,
     Engines,
     accumulating,
     clip_full_gradients,
-    release_engine,
     user_facing,
-    warn_shadowed,
 )
+from scopedlite._strategies.deepspeed.init import zero3_build
 from scopedlite._strategies.deepspeed.install import import_deepspeed
 from scopedlite._strategies.deepspeed.join import DeepSpeedReplay
 from scopedlite._strategies.deepspeed.logs import (
@@ -141,7 +141,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         self.config = self.build_config(placement.precision.name, placement.accelerator)
-        self._engine_refs = Engines()  # weak: a model the user drops is released
+        self.engines = Engines()  # weak: a model the user drops is released
         self._saved_env: dict[str, str | None] = {}
         self._owns_group = False
         self._log_level: int | None = None
@@ -187,9 +187,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             os.environ[key] = value
 
     def stop(self) -> None:
-        for model in self._engines:
-            release_engine(model)  # releases the engine's hooks and buffers
-        self._engine_refs = Engines()
+        self.engines.release_all()  # releases the engines' hooks and buffers
+        self.engines = Engines()
         if self._owns_group:
             super().stop()
             self._owns_group = False
@@ -255,42 +254,63 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         engine.forward = quiet_forward
         if self.half_dtype is not None:
             engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True)
+        # What the user gets is the user's model (engines.py), released when dropped.
+        model = user_facing(engine)
+        record = self.engines.add(model, engine, optimizer)
         if optimizer is not None:
-            _route_step_through_engine(optimizer, engine)
-        # What the user gets answers the user's attributes and methods with plain state dict
-        # keys, and is released when dropped (engines.py). Under ZeRO-3 parameters are
-        # gathered in forward only: the user's methods always go through it.
-        model = user_facing(engine, always_through_forward=self.stage == 3)
-        self._engine_refs.add(model)
-        warn_shadowed(engine)
+            _route_step_through_engine(optimizer, record)
         return model, [] if optimizer is None else [optimizer]
 
+    def engine(self, model: torch.nn.Module) -> Any:
+        """The ``deepspeed.DeepSpeedEngine`` behind ``model`` (what ``lite.setup`` returned):
+        DeepSpeed's own API, e.g. ``lite.current().strategy.engine(model).global_steps``."""
+        return self._record(model, "strategy.engine").engine
+
+    def optimizer_of(self, model: torch.nn.Module) -> torch.optim.Optimizer | None:
+        """The optimizer ``model`` was set up with (None: set up for evaluation)."""
+        return self._record(model, "strategy.optimizer_of").optimizer
+
+    def model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+        """The set-up model whose engine ``optimizer`` steps, if any."""
+        return self.engines.face_of_optimizer(optimizer)  # type: ignore[no-any-return]
+
+    def load_weights(self, module: torch.nn.Module, weights: Any, strict: bool) -> None:
+        """Into the partitions (ZeRO-3) or the replicas, then into the optimizer's fp32 master
+        copies, or its next step would bring the old weights back."""
+        super().load_weights(module, weights, strict)
+        record = self.engines.record(module)
+        refresh = getattr(record.engine.optimizer, "refresh_fp32_params", None) if record is not None else None
+        if refresh is not None:
+            refresh()
+
+    def compile_target(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside the engine, as DeepSpeed's own ``engine.compile()`` does."""
+        return self.unwrap(module)
+
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.module if isinstance(module, self.deepspeed.DeepSpeedEngine) else module
+        record = self.engines.record(module)
+        return record.engine.module if record is not None else module
 
     def module_init_context(self, empty: bool) -> ContextManager[Any]:
+        """Under ZeRO-3, parameters are partitioned as the block closes, one at a time, with
+        the values a plain build gives them (``deepspeed/init.py``); stages 1-2 build plainly."""
         if self.stage != 3:
             return super().module_init_context(empty)
-        stack = contextlib.ExitStack()
-        stack.enter_context(filtered_warnings())
-        stack.enter_context(
-            self.deepspeed.zero.Init(
-                config_dict_or_path=copy.deepcopy(self.config),
-                remote_device="cpu" if self.offload_parameters else None,
-                # None: the config decides (bf16 / fp16 / fp32). An explicit dtype is ignored
-                # by DeepSpeed 0.19 wherever its accelerator reports no fp16 support (it then
-                # builds bfloat16 parameters for a "32-true" run).
-                dtype=None,
-            )
+        return zero3_build(
+            self.deepspeed,
+            self.config,
+            empty,
+            agree=lambda obj: self.broadcast(obj, src=0),
+            device=self.placement.device,
+            dtype=self.half_dtype,
+            remote_device="cpu" if self.offload_parameters else None,
+            init_dtype=self.placement.precision.init_dtype(),
         )
-        if empty:
-            stack.enter_context(skip_init())
-        return stack
 
     @property
     def _engines(self) -> list[Any]:
-        """The engines of this run still referenced by the user, in setup order."""
-        return self._engine_refs.alive()
+        """The models of this run still referenced by the user, in setup order."""
+        return self.engines.alive()
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self.backward_model(loss, None, *args, **kwargs)
@@ -302,9 +322,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "lite.backward(loss) under strategy='deepspeed' takes the loss only (it calls "
                 f"engine.backward(loss)); got extra arguments {args!r} {kwargs!r}."
             )
-        engine = self._engine_refs.for_backward(loss, model, self.deepspeed.DeepSpeedEngine)
+        record = self.engines.for_backward(loss, model, self.deepspeed.DeepSpeedEngine)
+        engine = record.engine
         synced = engine.is_gradient_accumulation_boundary()
-        if synced and self.stage < 3 and engine.gradient_accumulation_steps() == 1 and engine._lite_synced_backwards:
+        if synced and self.stage < 3 and engine.gradient_accumulation_steps() == 1 and record.synced_backwards:
             # ZeRO 1/2 replace, not add, the gradients of an earlier backward at a boundary.
             raise RuntimeError(
                 "lite.backward was called twice before optimizer.step() under strategy="
@@ -316,39 +337,40 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         with filtered_warnings():
             engine.backward(loss)
         if synced:
-            engine._lite_synced_backwards += 1
+            record.synced_backwards += 1
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
         """Accumulate: backward passes inside add to the gradients and the next one outside
         ends the window, so the result is DDP's. ZeRO still reduces gradients in every
         backward (stages 2-3 partition them as they are reduced): it saves no communication."""
-        engine = self._set_up_engine(module, "lite.no_backward_sync")
+        engine = self._record(module, "lite.no_backward_sync").engine
         return accumulating(engine) if enabled else contextlib.nullcontext()
 
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         """Clip the full gradients between backward and step, as DDP's are clipped."""
-        engine = self._set_up_engine(module, "lite.clip_gradients")
-        if getattr(engine, "_lite_user_optimizer", None) is not optimizer:
+        record = self._record(module, "lite.clip_gradients")
+        if record.optimizer is not optimizer:
             raise ValueError(
                 "lite.clip_gradients(model, optimizer, ...) under strategy='deepspeed' needs the "
                 "optimizer set up together with that model: `model, opt = lite.setup(model, opt)`."
             )
         with filtered_warnings():
-            return clip_full_gradients(engine, max_norm, clip_val, norm_type)
+            return clip_full_gradients(record.engine, max_norm, clip_val, norm_type)
 
-    def _set_up_engine(self, module: torch.nn.Module, caller: str) -> Any:
-        if not isinstance(module, self.deepspeed.DeepSpeedEngine):
+    def _record(self, module: Any, caller: str) -> EngineRecord:
+        record = self.engines.record(module)
+        if record is None:
             raise TypeError(
                 f"{caller} needs the model returned by lite.setup, got a plain "
                 f"{type(module).__name__}. Use `model, opt = lite.setup(model, opt)` first."
             )
-        return module
+        return record
 
     def join_models(self) -> list[torch.nn.Module]:
         return self._engines
 
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
-        optimizers = tuple(getattr(engine, "_lite_user_optimizer", None) for engine in models)
+        optimizers = tuple(self.optimizer_of(engine) for engine in models)
         if any(o is None for o in optimizers) and not all(o is None for o in optimizers):
             raise ValueError(
                 "lite.join under strategy='deepspeed' takes either models set up with their "
@@ -368,7 +390,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         return _checkpoint.load_checkpoint(self, path, state, strict)
 
 
-def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) -> None:
+def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineRecord) -> None:
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
 
@@ -376,11 +398,12 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) ->
     schedulers built on it keep working.
     """
     original_zero_grad = optimizer.zero_grad
+    engine = record.engine
 
     def engine_step() -> None:
         with filtered_warnings():
             engine.step()
-        engine._lite_synced_backwards = 0
+        record.synced_backwards = 0
 
     inside_engine = reroute_step(
         optimizer,
@@ -396,9 +419,6 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) ->
             original_zero_grad(set_to_none=set_to_none)
 
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
-    optimizer._lite_engine = engine  # type: ignore[attr-defined]
-    engine._lite_user_optimizer = optimizer
-    engine._lite_synced_backwards = 0
 
 
 def _input_caster(dtype: torch.dtype) -> Any:

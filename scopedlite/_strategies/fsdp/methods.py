@@ -11,6 +11,10 @@ A registered method called while the model is already gathered (from ``forward``
 another of its methods) must run as it is: a second post-forward would reshard the
 parameters under the outer call's feet. A depth count, kept by hooks around ``forward`` and
 by the registered methods themselves, tells the two cases apart.
+
+``save_pretrained`` (a Hugging Face model's) is not gathered like the others: every rank calls
+it, the full state dict is gathered to rank 0 (``get_model_state_dict``), and rank 0 alone runs
+the method with it, the methods it calls running plainly.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from typing import Any
 
 import torch
 
-from scopedlite._strategies.user_model import user_method_names
+from scopedlite._strategies.user_model import (
+    SAVING_METHODS,
+    saving_method,
+    share_tied,
+    user_method_names,
+)
 
 __all__ = ["gather_for_user_methods"]
 
@@ -35,8 +44,6 @@ def gather_for_user_methods(module: torch.nn.Module, user_class: type[torch.nn.M
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     names = user_method_names(user_class)
-    if not names:
-        return names
     depth = [0]
 
     def enter(*_: Any) -> None:
@@ -53,18 +60,43 @@ def gather_for_user_methods(module: torch.nn.Module, user_class: type[torch.nn.M
         plain = getattr(module, name)
         register_fsdp_forward_method(module, name)
         module.__dict__[name] = _outermost_gathers(plain, module.__dict__[name], depth)
+    for name in SAVING_METHODS:
+        method = getattr(module, name, None)
+        if callable(method):
+            module.__dict__[name] = saving_method(_as_gathered(method, depth), functools.partial(_full_state, module))
     return names
 
 
-def _outermost_gathers(plain: Callable[..., Any], gathered: Callable[..., Any], depth: list[int]) -> Callable[..., Any]:
-    @functools.wraps(plain)
+def _as_gathered(method: Callable[..., Any], depth: list[int]) -> Callable[..., Any]:
+    """``method`` run as if the parameters were gathered: the methods it calls run plainly
+    (``save_pretrained`` runs on rank 0 alone and reads the gathered state dict it is given)."""
+
+    @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if depth[0]:
-            return plain(*args, **kwargs)
         depth[0] += 1
         try:
-            return gathered(*args, **kwargs)
+            return method(*args, **kwargs)
         finally:
             depth[0] -= 1
 
     return call
+
+
+def _outermost_gathers(plain: Callable[..., Any], gathered: Callable[..., Any], depth: list[int]) -> Callable[..., Any]:
+    counted = _as_gathered(gathered, depth)
+
+    @functools.wraps(plain)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (plain if depth[0] else counted)(*args, **kwargs)
+
+    return call
+
+
+def _full_state(module: torch.nn.Module) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return share_tied(module, state) if state else state

@@ -200,12 +200,7 @@ class FSDPStrategy(ProcessGroupStrategy):
                 "lite.setup got a module that is already sharded (fully_shard was applied); "
                 "pass the plain module (`lite.setup(model)`) and scopedlite shards it."
             )
-        on_meta = [name for name, p in module.named_parameters() if p.is_meta]
-        if on_meta and len(on_meta) != len(list(module.parameters())):
-            raise ValueError(
-                f"{type(module).__name__} has some parameters on the meta device ({on_meta[:3]}...) "
-                "and some not. Build the whole model inside `with lite.sharded_init():`."
-            )
+        on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         replay = self._init_records.plan(module) if on_meta else None
         if not on_meta:
             module = self.placement.precision.convert_module(module.to(self.placement.device))
@@ -229,8 +224,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             module.to_empty(device=self.placement.device)
             replay.run()
         # The user's other methods gather the parameters as forward does (methods.py), on the
-        # model and on each submodule that is its own FSDP unit; after the replay, whose twins
-        # copy the module's attributes.
+        # model and on each submodule that is its own FSDP unit.
         for sub in module.modules():
             if sub is not module and isinstance(sub, FSDPModule):
                 gather_for_user_methods(sub, type(sub))

@@ -1,0 +1,113 @@
+"""Hugging Face GPT-2 and Llama (tiny configs, no download), unchanged, under one strategy.
+
+argv: strategy folder. One launch does every check (2 ranks; 1 under "single"): build inside
+lite.sharded_init(), lite.setup with AdamW, two epochs each inside lite.join over uneven
+shards, model.config, model.generate, model.save_pretrained, a fresh sharded_init(empty=True)
+model given the weights by lite.load (a lite.save checkpoint) and by lite.load_pretrained
+(the save_pretrained folder); a torch.compile'd model trained beside an uncompiled one; a
+thread's collective. Rank 0 writes the JSON the test reads and the full state dicts (.pt).
+"""
+
+import concurrent.futures
+import sys
+from pathlib import Path
+
+import torch
+
+import scopedlite as lite
+from _common import write
+from _hf_common import BATCH, EPOCHS, LR, SmallNet, build, compile_data, generate, quiet, tokens
+
+strategy, folder = sys.argv[1], Path(sys.argv[2])
+devices = 1 if strategy == "single" else 2
+
+
+def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full values under the plain module's names (every rank calls: gathers)."""
+    state = model.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in state.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def empty_model(kind: str):
+    with lite.sharded_init(empty=True):
+        model = build(kind)
+    return lite.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+
+calls = []
+
+
+def counting_backend(graph, example_inputs):  # a torch.compile backend that runs the graph as is
+    calls.append(len(graph.graph.nodes))
+    return graph.forward
+
+
+results = {}
+with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=120) as run:
+    quiet()
+    rank = run.global_rank
+    # a thread started in the block finds the run: its collective is the world's
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        results["thread_sum"] = pool.submit(lambda: lite.all_reduce(torch.tensor(rank + 1.0)).item()).result()
+
+    for kind in ("gpt2", "llama"):
+        out = results[kind] = {}
+        torch.manual_seed(0)
+        with lite.sharded_init():
+            model = build(kind)
+        model, opt = lite.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        initial = plain_state(model)
+        out["config"] = [type(model.config).__name__, model.config.num_hidden_layers, model.config.vocab_size]
+
+        loader = lite.setup_dataloader(
+            torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens()), batch_size=BATCH)
+        )
+        out["losses"] = []
+        out["batches"] = []
+        for _ in range(EPOCHS):
+            with lite.join(model):
+                count = 0
+                for (x,) in loader:
+                    loss = model(input_ids=x, labels=x).loss
+                    lite.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                    out["losses"].append(lite.all_reduce(loss.detach(), op="mean").item())
+                    count += 1
+            out["batches"].append(lite.all_gather(torch.tensor(count)).tolist())
+        final = plain_state(model)
+        out["generated"] = generate(model)
+        model.save_pretrained(folder / kind)  # every rank calls it; rank 0 writes
+        lite.save(folder / f"{kind}-ckpt", {"model": model, "opt": opt})
+
+        loaded, loaded_opt = empty_model(kind)  # lite.load of the lite.save checkpoint
+        lite.load(folder / f"{kind}-ckpt", {"model": loaded, "opt": loaded_opt})
+        out["load_equal"] = same(plain_state(loaded), final)
+        pretrained, _ = empty_model(kind)  # the save_pretrained folder, each rank its part
+        lite.load_pretrained(pretrained, folder / kind)
+        out["pretrained_equal"] = same(plain_state(pretrained), final)
+        out["pretrained_generated"] = generate(pretrained)
+        if rank == 0:
+            torch.save({"initial": initial, "final": final}, folder / f"{kind}.pt")
+        del model, opt, loaded, loaded_opt, pretrained
+
+    # torch.compile(model) before setup: trains as the uncompiled model, plain state dict keys
+    torch.manual_seed(0)
+    compiled = torch.compile(SmallNet(), backend=counting_backend)
+    model, opt = lite.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    x, y = compile_data()
+    for _ in range(3):
+        lite.backward(torch.nn.functional.mse_loss(model(x[rank::devices]), y[rank::devices]))
+        opt.step()
+        opt.zero_grad()
+    results["compile"] = {
+        "keys": list(model.state_dict()),
+        "graphs": len(calls),
+        "params": [v.flatten().tolist() for v in plain_state(model).values()],
+    }
+    if run.is_global_zero:
+        write(results)

@@ -1,0 +1,92 @@
+"""Hugging Face models, unchanged, under every strategy (tests/scripts/hf_models.py).
+
+GPT-2 and Llama from tiny configs (no download), one launch per strategy doing every check,
+2 real gloo ranks (1 under single). Each is compared with plain torch in this process: a plain
+build with the same seed (exactly: sharded_init must give its values, HF's post_init
+included), a one-process replay of the uneven-shard training under lite.join, greedy
+generate, and from_pretrained of what save_pretrained wrote.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from _hf_common import build, compile_reference, generate, quiet, reference  # noqa: E402
+
+pytest.importorskip("transformers")
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
+
+STRATEGIES = [
+    pytest.param("single"),
+    pytest.param("ddp"),
+    pytest.param("fsdp"),
+    *(
+        pytest.param(f"deepspeed_stage_{stage}", marks=[needs_deepspeed, pytest.mark.deepspeed_op])
+        for stage in (1, 2, 3)
+    ),
+]
+
+
+@functools.cache
+def _reference(kind: str, world_size: int) -> tuple[dict[str, torch.Tensor], list[float], list[list[int]]]:
+    model, losses = reference(kind, world_size)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, generate(model)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gpt2_and_llama_train_generate_save_and_load_as_plain_models(script, tmp_path, strategy):
+    from transformers import AutoModelForCausalLM
+
+    result = script("hf_models", strategy, tmp_path, timeout=180)
+    assert result.returncode == 0, result.explain()
+    out = result.json()
+    world_size = 1 if strategy == "single" else 2
+    assert out["thread_sum"] == sum(range(1, world_size + 1))  # a thread's all_reduce is the world's
+
+    for kind, config_class in (("gpt2", "GPT2Config"), ("llama", "LlamaConfig")):
+        got = out[kind]
+        saved = torch.load(tmp_path / f"{kind}.pt")
+        quiet()
+        torch.manual_seed(0)
+        plain = build(kind).state_dict()
+        # sharded_init: exactly the plain build's values (HF's post_init included), every tensor
+        assert sorted(saved["initial"]) == sorted(plain)
+        for name, value in plain.items():
+            assert torch.equal(saved["initial"][name], value), f"{kind}.{name} differs from a plain build"
+
+        assert got["config"] == [config_class, 2, 96]  # model.config is the model's
+        # two epochs in lite.join over 5 and 4 items (3 and 2 batches), as one process replays them
+        assert got["batches"] == ([[3, 2], [3, 2]] if world_size == 2 else [[5], [5]])
+        expected, losses, generated = _reference(kind, world_size)
+        assert got["losses"] == pytest.approx(losses, abs=1e-5)
+        for name, value in expected.items():  # AdamW turns rounding of zero gradients into ~1e-4
+            assert torch.allclose(saved["final"][name], value, atol=1e-3), f"{kind}.{name}"
+        assert got["generated"] == generated
+
+        # save_pretrained wrote the full, plain model; from_pretrained reads it back exactly
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / kind)
+        assert type(loaded).__name__ == type(build(kind)).__name__
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, saved["final"][name]), name
+        # lite.load and lite.load_pretrained into fresh sharded_init(empty=True) models
+        assert got["load_equal"] is True
+        assert got["pretrained_equal"] is True
+        assert got["pretrained_generated"] == generated
+
+    # torch.compile(model) before setup: compiled (the backend saw graphs), trained exactly as
+    # the uncompiled model, plain state dict keys
+    compiled = out["compile"]
+    assert compiled["keys"] == ["hidden.weight", "hidden.bias", "out.weight", "out.bias"]
+    assert compiled["graphs"] >= 1
+    net = compile_reference(world_size)
+    for got_values, param in zip(compiled["params"], net.parameters()):
+        assert got_values == pytest.approx(param.detach().flatten().tolist(), abs=1e-6)
