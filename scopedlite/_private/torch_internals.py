@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed import distributed_c10d
 
-__all__ = ["cpu_twin", "set_group_timeout"]
+__all__ = ["cpu_twin", "local_box", "set_group_timeout"]
 
 
 def cpu_twin(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Module:
@@ -47,3 +47,18 @@ def set_group_timeout(timeout: Any) -> None:
     own. Checked against torch 2.3-2.13.
     """
     distributed_c10d._set_pg_timeout(timeout)
+
+
+def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)``: where the part of the DTensor ``tensor`` that this rank holds
+    lies in the whole tensor.
+
+    Why private: loading a checkpoint into a sharded model reads, for each parameter, only
+    the slice this rank holds, and DTensor has no public accessor for where that slice lies;
+    ``compute_local_shape_and_global_offset`` is what DTensor's own checkpointing uses.
+    Checked against torch 2.13.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offsets), tuple(sizes)

@@ -9,7 +9,8 @@ failures and the end of the run work exactly as under DDP. What is DeepSpeed's o
   through ``engine.step()`` (the engine reduces, clips, steps and zeroes gradients).
 - ``lite.sharded_init()`` under ZeRO-3 is ``deepspeed.zero.Init``: parameters are partitioned
   as they are created, so no rank ever holds the whole model.
-- ``lite.save``/``lite.load`` write and read the engine's sharded checkpoint directory.
+- ``lite.save`` writes the engine's sharded checkpoint directory; ``lite.load`` reads it, or
+  any other checkpoint (converted as it is read).
 
 DeepSpeed is imported when the strategy starts, never at ``import scopedlite``.
 """
@@ -21,12 +22,14 @@ import copy
 import importlib.util
 import os
 import types
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
 from scopedlite._core.init import skip_init
 from scopedlite._core.structures import map_tensors
+from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
@@ -145,6 +148,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         self._engine_refs = Engines()  # weak: a model the user drops is released
         self._saved_env: dict[str, str | None] = {}
         self._owns_group = False
+        self._deepspeed_comm = False  # deepspeed.comm wraps our group
         self._log_level: int | None = None
         try:
             super().start(placement, rendezvous)
@@ -179,6 +183,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         # that it did on every rank: that print (main thread, Python-level) is dropped.
         with contextlib.redirect_stdout(Discard()):
             self.deepspeed.init_distributed(dist_backend=self._backend, timeout=placement.timeout)
+        self._deepspeed_comm = True
 
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
@@ -191,6 +196,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         for model in self._engines:
             release_engine(model)  # releases the engine's hooks and buffers
         self._engine_refs = Engines()
+        if self._deepspeed_comm:
+            # Through DeepSpeed, which then forgets the groups it derived from this world (a
+            # clone of it, cached in module globals): a later launch in this process would
+            # otherwise hand the next engine a group of a world that is gone.
+            self.deepspeed.comm.destroy_process_group()
+            self._deepspeed_comm = False
         if self._owns_group:
             super().stop()
             self._owns_group = False
@@ -366,12 +377,27 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         replayer = DeepSpeedReplay(self, engines, divide_by_initial_world_size, self.placement.world_size)
         return ReplayJoin(self, replayer, engines, known, divide_by_initial_world_size)
 
-    # -- checkpoints: the engine's sharded directory (see checkpoint.py) ------------------
+    # -- checkpoints: the engine's own folder; any checkpoint loaded (see checkpoint.py) --
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         _checkpoint.save_checkpoint(self, path, state)
 
-    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        return _checkpoint.load_checkpoint(self, path, state, strict)
+    def load_native(self, checkpoint: Any, state: dict[str, Any], strict: bool) -> list[str]:
+        return _checkpoint.load_native(self, checkpoint, state, strict)
+
+    def load_module_from(self, module: torch.nn.Module, tensors: Tensors, strict: bool) -> None:
+        if isinstance(module, self.deepspeed.DeepSpeedEngine):
+            _checkpoint.load_engine(module, tensors, strict)
+        else:
+            super().load_module_from(module, tensors, strict)
+
+    def load_optimizer_from(
+        self, optimizer: torch.optim.Optimizer, entry: OptimizerEntry, modules: Sequence[torch.nn.Module]
+    ) -> None:
+        engine = getattr(optimizer, "_lite_engine", None)
+        if engine is None:
+            super().load_optimizer_from(optimizer, entry, modules)
+        else:
+            _checkpoint.load_engine_optimizer(engine, optimizer, entry)
 
 
 def _route_step_through_engine(optimizer: torch.optim.Optimizer, engine: Any) -> None:
