@@ -118,8 +118,7 @@ def _check_continued(result: dict, name: str, world_size: int) -> None:
 
 
 def test_each_saving_run_follows_the_plain_torch_trajectory(moves):
-    results, seconds = moves
-    print(f"{len(LAUNCHES)} launches: {seconds:.1f} s")
+    results, _ = moves
     for name, (strategy, world_size) in SAVED.items():
         (first,), _ = reference([(world_size, 0)])
         assert _close(results[(strategy, world_size)][f"save:{name}"]["losses"], first) < 1e-6, strategy
@@ -165,5 +164,6 @@ def test_loading_a_sharded_checkpoint_never_needs_the_whole_model(moves, loader,
     ranks = results[(loader, 2)][f"bigload:{checkpoint}"]["ranks"]
     assert len(ranks) == 2
     for needed, _, kept in ranks:
+        print(f"{loader} <- {checkpoint}: {needed / 2**20:.1f} MB needed beyond what the run keeps")
         assert abs(kept - 32 * 2**20) < 2**10  # each rank's half of the two moments (and step counts)
         assert needed < 16 * 2**20, f"{needed / 2**20:.1f} MB needed beyond what the run keeps"
