@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from conftest import SCRIPTS, _env
+
+import scopedlite as lite
 
 sys.path.insert(0, str(SCRIPTS))
 from _moves_common import BATCH, make_data, make_net, make_optimizer, sampler  # noqa: E402
@@ -54,10 +55,9 @@ LAUNCHES = [  # in order: each loads what the launches before it saved
 
 @pytest.fixture(scope="module")
 def moves(tmp_path_factory):
-    """Every launch's results: {(strategy, world size): {job: result}}, and the seconds taken."""
+    """Every launch's results: {(strategy, world size): {job: result}}, and the folder."""
     folder = tmp_path_factory.mktemp("moves")
     results: dict[tuple[str, int], dict[str, dict]] = {}
-    start = time.monotonic()
     for index, launch in enumerate(LAUNCHES):
         out = folder / f"out-{index}.json"
         # glibc keeps freed blocks in its heap, where RSS would go on counting them: every
@@ -70,7 +70,7 @@ def moves(tmp_path_factory):
         assert proc.returncode == 0, f"launch {launch}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         for block in json.loads(out.read_text()):
             results.setdefault((block["strategy"], block["world_size"]), {}).update(block["jobs"])
-    return results, time.monotonic() - start
+    return results, folder
 
 
 def reference(phases: list[tuple[int, int]]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
@@ -153,6 +153,23 @@ def test_deepspeed_stage_2_converts_both_ways(moves):
 def test_a_deepspeed_checkpoint_loads_without_deepspeed(moves):
     results, _ = moves
     assert results[("single", 1)]["load:Z"]["deepspeed_imported"] is False
+
+
+@pytest.mark.parametrize("name", ["F", "Z"])
+def test_a_folder_consolidates_into_the_file_the_other_strategies_write(moves, tmp_path, name):
+    _, folder = moves
+    lite.consolidate_checkpoint(folder / name, tmp_path / "one.pt")
+    whole = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert sorted(whole) == ["loader", "model", "note", "opt", "step"] and whole["step"] == 3
+    _, params = reference([(2, 0)])
+    assert sorted(whole["model"]) == sorted(params)
+    for key, value in params.items():
+        assert torch.allclose(whole["model"][key], value, rtol=1e-5, atol=1e-6), key
+    model = make_net(1)
+    opt = make_optimizer(model)
+    assert sorted(lite.load(tmp_path / "one.pt", {"model": model, "opt": opt})) == ["loader", "note", "step"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(opt.state[p]["step"].item() == 3 for p in model.parameters())
 
 
 @pytest.mark.parametrize("loader,checkpoint", [("fsdp", "FB"), ("fsdp", "ZB"), ("deepspeed_stage_3", "FB")])
