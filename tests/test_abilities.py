@@ -123,6 +123,10 @@ class _Session(contextlib.nullcontext):  # type: ignore[type-arg]
         super().__init__()
         self.strategy = strategy
 
+    def loader_pass(self, length: int | None) -> None:
+        """No cursor: the loader's batches are not counted by this session (as ``NoJoin``)."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.strategy, name)
 

@@ -92,7 +92,7 @@ def _deepspeed_installed() -> bool:
         ),
     ],
 )
-def test_example_sharded_trains_saves_and_consolidates(run_python, tmp_path, strategy):
+def test_example_sharded_trains_saves_and_loads_the_folder_in_one_process(run_python, tmp_path, strategy):
     result = run_python(str(REPO / "examples" / "sharded.py"), "--strategy", strategy, timeout=110)
     assert result.returncode == 0, result.explain()
     held = {int(r): (int(local), int(full)) for r, local, full in re.findall(r"rank (\d) holds (\d+) of (\d+)", result.stdout)}

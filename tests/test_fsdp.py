@@ -99,27 +99,24 @@ def test_adamw_matches_ddp_and_a_sharded_checkpoint_reloads_on_one_process(scrip
     # AdamW moments restored: the step after loading repeats the step after saving
     assert fsdp["probe_after_step_again"] == fsdp["probe_after_step"]
 
-    # 2 ranks -> 1 process: consolidate the folder, load it with the plain lite.load
+    # 2 ranks -> 1 process: the folder itself, and the file consolidated from it, load alike
     single = tmp_path / "single.pt"
     lite.consolidate_checkpoint(folder, single)
-    torch.manual_seed(123)
-    model = make_net()
-    opt = make_optimizer("adamw", model.parameters())
-    state = {"model": model, "opt": opt, "step": 0}
-    assert lite.load(single, state) == {}
-    assert state["step"] == 4
-    with torch.no_grad():
-        assert model(probe()).flatten().tolist() == pytest.approx(fsdp["probe_at_save"], abs=1e-6)
-    x, y = make_data()
-    loss = torch.nn.functional.mse_loss(model(x[-8:]), y[-8:])
-    loss.backward()
-    opt.step()
-    with torch.no_grad():
-        assert model(probe()).flatten().tolist() == pytest.approx(fsdp["probe_after_step"], abs=1e-5)
-
-    # the folder itself cannot be read by a non-sharding strategy: the error says what to do
-    with pytest.raises(lite.CheckpointError, match="consolidate_checkpoint"):
-        lite.load(folder, {"model": model})
+    for source in (folder, single):
+        torch.manual_seed(123)
+        model = make_net()
+        opt = make_optimizer("adamw", model.parameters())
+        state = {"model": model, "opt": opt, "step": 0}
+        assert lite.load(source, state) == {}
+        assert state["step"] == 4
+        with torch.no_grad():
+            assert model(probe()).flatten().tolist() == pytest.approx(fsdp["probe_at_save"], abs=1e-6)
+        x, y = make_data()
+        loss = torch.nn.functional.mse_loss(model(x[-8:]), y[-8:])
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            assert model(probe()).flatten().tolist() == pytest.approx(fsdp["probe_after_step"], abs=1e-5)
 
 
 @pytest.mark.timeout(100)

@@ -1,9 +1,16 @@
-"""``lite.save`` / ``lite.load``: one file, written once and atomically, loaded safely.
+"""``lite.save`` / ``lite.load``: written once and atomically, loaded safely, anywhere.
 
-Rank 0 writes the file to a temporary name in the same folder, syncs it to disk and renames
-it over the target, so a crash at any moment leaves either the previous checkpoint or the
-new one, never half a file. Loading uses ``weights_only=True`` unless asked otherwise by
-name: a checkpoint is data, and unpickling arbitrary objects runs arbitrary code.
+Under single and ddp (and fsdp with ``state_dict_type="full"``) rank 0 writes one file to a
+temporary name in the same folder, syncs it to disk and renames it over the target, so a
+crash at any moment leaves either the previous checkpoint or the new one, never half a file.
+Under fsdp (sharded) and deepspeed the strategy writes a folder of its own format, with the
+same guarantee.
+
+``lite.load`` reads every one of these formats under every strategy and world size: the
+checkpoint is opened in one canonical form (``_io.canonical``: tensors by name, read in
+parts; optimizer state by parameter name) and each strategy loads the part each rank holds.
+Loading uses ``weights_only=True`` unless asked otherwise by name: a checkpoint is data, and
+unpickling arbitrary objects runs arbitrary code.
 
 A loader from ``setup_dataloader`` may be an entry of the state: what is saved is every
 rank's position in its pass and random states (see ``loader_state``), and loading makes the
@@ -16,20 +23,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
 from scopedlite._api.dataloader import DeviceDataLoader
 from scopedlite._api.join import in_join
-from scopedlite._io.files import (
-    CheckpointError,
-    read,
-    restore,
-    state_dicts,
-    write_atomically,
-)
-from scopedlite._strategies.abilities import SupportsCheckpoint
+from scopedlite._io.canonical import OBJECT, Checkpoint
+from scopedlite._io.files import CheckpointError, state_dicts, write_atomically
+from scopedlite._io.reader import open_checkpoint
+from scopedlite._strategies.abilities import SupportsCheckpoint, SupportsNativeLoad
+from scopedlite._strategies.base import Strategy
 
 __all__ = ["CheckpointError", "load", "save"]
 
@@ -61,23 +66,26 @@ def load(
     strict: bool = True,
     weights_only: bool = True,
 ) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save`.
+    """Load a checkpoint written by :func:`save` under any strategy and world size.
 
-    Modules and optimizers in ``state`` are restored in place; other entries of ``state`` are
+    Modules and optimizers in ``state`` are restored in place (each rank reads the part it
+    holds; optimizer states are matched by parameter name); other entries of ``state`` are
     replaced by the checkpoint's values. A loader from ``lite.setup_dataloader`` stays in
     ``state``: its next pass continues the saved one from the first batch not yet seen, and
     the random states of torch, numpy and Python are those of the save (each rank its own).
 
     Args:
-        path: The checkpoint file.
+        path: The checkpoint: a file, or the folder fsdp (sharded) or deepspeed wrote.
         state: What to restore, e.g. ``{"model": model, "opt": opt, "step": 0}``. None
-            returns the whole checkpoint.
+            returns the whole checkpoint, as the single file ``lite.consolidate_checkpoint``
+            would write holds it.
         strict: Require module state dict keys to match exactly, and every key of ``state``
             to be in the checkpoint.
         weights_only: Refuse to unpickle anything but tensors and plain containers.
 
     Returns:
-        What the checkpoint held that ``state`` did not ask for.
+        What the checkpoint held that ``state`` did not ask for (from a folder: its plain
+        entries; models and optimizers are read only into ``state``).
     """
     loaders = {k: v for k, v in (state or {}).items() if isinstance(v, DeviceDataLoader)}
     if state is not None and loaders:
@@ -117,19 +125,37 @@ def _loader_entry(key: str, value: Any) -> Any:
 def _load(
     path: str | os.PathLike[str], state: dict[str, Any] | None, strict: bool, weights_only: bool
 ) -> dict[str, Any]:
-    run = current()
-    strategy = run.strategy
-    if isinstance(strategy, SupportsCheckpoint) and state is not None:  # its own checkpoint format
-        if not weights_only:
-            raise ValueError(
-                f"lite.load(weights_only=False) is not available under strategy="
-                f"{strategy.name!r}: the strategy reads its own sharded checkpoint format "
-                "and does not take this option. Drop the argument."
-            )
-        return strategy.load_checkpoint(path, state, strict)
-    checkpoint = read(path, weights_only)
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not the dict lite.save writes.")
-    if state is None:
-        return checkpoint
-    return restore(strategy, path, checkpoint, state, strict)
+    strategy = current().strategy
+    with open_checkpoint(path, weights_only) as checkpoint:
+        if state is None:
+            return checkpoint.whole()
+        native = strategy.load_native(checkpoint, state, strict) if isinstance(strategy, SupportsNativeLoad) else []
+        return _restore(strategy, checkpoint, state, strict, native)
+
+
+def _restore(
+    strategy: Strategy, checkpoint: Checkpoint, state: dict[str, Any], strict: bool, loaded: list[str]
+) -> dict[str, Any]:
+    """Restore ``state`` in place from ``checkpoint`` (any format): each module and optimizer
+    through the strategy, which reads the part of each tensor this rank holds; the other
+    entries replaced by the checkpoint's values. Returns what else the checkpoint held (from
+    a folder, its plain entries: models and optimizers are not read unasked). ``loaded``:
+    the keys the strategy already restored its own way."""
+    missing = [k for k in state if k not in checkpoint and k not in loaded]
+    if missing and strict:
+        raise KeyError(
+            f"{checkpoint.path} has no entry {missing}; it holds {list(checkpoint.kinds)}. Pass "
+            "strict=False to restore only what is there."
+        )
+    modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+    for key, target in state.items():
+        if key not in checkpoint or key in loaded:
+            continue
+        if isinstance(target, torch.nn.Module):
+            strategy.load_module_from(target, checkpoint.module(key), strict)
+        elif isinstance(target, torch.optim.Optimizer):
+            strategy.load_optimizer_from(target, checkpoint.optimizer(key), modules)
+        else:
+            state[key] = checkpoint.entry(key)
+    plain = checkpoint.written_by == "file"
+    return {k: checkpoint.entry(k) for k, kind in checkpoint.kinds.items() if k not in state and (plain or kind == OBJECT)}

@@ -1,8 +1,8 @@
-"""Checkpoint files: written atomically, read safely, restored into modules and optimizers.
+"""Checkpoint files: written atomically, read safely.
 
-Below the strategies: the single-file format every strategy can write and read, and the
-atomic swap of a checkpoint folder, so the strategies with formats of their own (FSDP's
-shards, DeepSpeed's engine directory) share the same guarantees.
+Below the strategies: the single-file format every strategy can write, and the atomic swap of
+a checkpoint folder, so the strategies with formats of their own (FSDP's shards, DeepSpeed's
+engine directory) share the same guarantees. Reading any format: ``reader.open_checkpoint``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "read", "restore", "state_dicts", "swap_folder_into_place", "write_atomically"]
+__all__ = ["CheckpointError", "read", "state_dicts", "swap_folder_into_place", "write_atomically"]
 
 
 class CheckpointError(RuntimeError):
@@ -58,17 +58,14 @@ def write_atomically(path: Path, obj: Any) -> None:
         os.close(dir_fd)
 
 
-def read(path: str | os.PathLike[str], weights_only: bool) -> Any:
-    if Path(path).is_dir():
-        raise CheckpointError(
-            f"{path} is a folder: a sharded checkpoint written under strategy='fsdp' or "
-            "'deepspeed'. Restore it under the strategy that wrote it with "
-            "lite.load(path, {'model': model, ...}), or make one file of it first: "
-            f"lite.consolidate_checkpoint({str(path)!r}, 'ckpt.pt') (FSDP) or "
-            f"lite.consolidate_deepspeed_checkpoint({str(path)!r}) (DeepSpeed)."
-        )
+def read(path: str | os.PathLike[str], weights_only: bool, mmap: bool = False) -> Any:
+    """``torch.load`` to the CPU, every failure a :class:`CheckpointError` that says why.
+
+    ``mmap=True`` maps the file instead of reading it: a tensor's bytes are read only when
+    used, so a rank that needs a slice of a large checkpoint reads that slice.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except FileNotFoundError:
         raise
     except pickle.UnpicklingError as e:
@@ -79,6 +76,10 @@ def read(path: str | os.PathLike[str], weights_only: bool) -> Any:
                 f"said: {str(e).splitlines()[0]}"
             ) from e
         raise CheckpointError(_incomplete(path, e)) from e
+    except RuntimeError as e:
+        if mmap and "mmap" in str(e):  # written by torch.save's legacy (non-zip) format
+            return read(path, weights_only)
+        raise CheckpointError(_incomplete(path, e)) from e
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways, all of them this
         raise CheckpointError(_incomplete(path, e)) from e
 
@@ -88,32 +89,6 @@ def _incomplete(path: str | os.PathLike[str], e: BaseException) -> str:
         f"{path} is not a complete torch checkpoint (truncated, or not written by torch.save / "
         f"lite.save): {type(e).__name__}: {e}"
     )
-
-
-def restore(
-    strategy: Any, path: str | os.PathLike[str], checkpoint: dict[str, Any], state: dict[str, Any], strict: bool
-) -> dict[str, Any]:
-    """Restore ``state`` in place from a loaded single-file ``checkpoint``; return the rest.
-
-    Modules and optimizers go through the strategy (which knows its wrappers and shards);
-    other entries of ``state`` are replaced by the checkpoint's values.
-    """
-    missing = [k for k in state if k not in checkpoint]
-    if missing and strict:
-        raise KeyError(
-            f"{path} has no entry {missing}; it holds {sorted(checkpoint)}. Pass strict=False to "
-            "restore only what is there."
-        )
-    for key, target in state.items():
-        if key not in checkpoint:
-            continue
-        if isinstance(target, torch.nn.Module):
-            strategy.load_module_state(target, checkpoint[key], strict)
-        elif isinstance(target, torch.optim.Optimizer):
-            strategy.load_optimizer_state(target, checkpoint[key])
-        else:
-            state[key] = checkpoint[key]
-    return {k: v for k, v in checkpoint.items() if k not in state}
 
 
 def swap_folder_into_place(staging: Path, path: Path, token: str) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "OpFacts",
     "OpInterceptor",
     "compiled_parts",
+    "local_box",
     "op_facts",
     "overwrite_buffers",
     "recompile",
@@ -146,3 +147,18 @@ def recompile(module: torch.nn.Module, compiler: Callable[[Any], Any]) -> None:
     against torch 2.13.
     """
     module._compiled_call_impl = compiler(module._call_impl)
+
+
+def local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)``: where the part of the DTensor ``tensor`` that this rank holds
+    lies in the whole tensor.
+
+    Why private: loading a checkpoint into a sharded model reads, for each parameter, only
+    the slice this rank holds, and DTensor has no public accessor for where that slice lies;
+    ``compute_local_shape_and_global_offset`` is what DTensor's own checkpointing uses.
+    Checked against torch 2.13.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offsets), tuple(sizes)

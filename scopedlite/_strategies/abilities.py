@@ -18,6 +18,7 @@ __all__ = [
     "SupportsJoin",
     "SupportsJointSetup",
     "SupportsModelBackward",
+    "SupportsNativeLoad",
     "SupportsNoBackwardSync",
 ]
 
@@ -57,14 +58,21 @@ class SupportsModelBackward(Protocol):
 
 @runtime_checkable
 class SupportsCheckpoint(Protocol):
-    """A strategy with its own checkpoint format (a folder of shards, an engine directory).
-
-    ``lite.save``/``lite.load`` hand the whole state to it instead of writing one file.
-    """
+    """A strategy that writes a checkpoint format of its own (a folder of shards, an engine
+    directory): ``lite.save`` hands it the whole state instead of writing one file. Every
+    strategy reads every format (``Strategy.load_module_from`` and ``load_optimizer_from``)."""
 
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None: ...
 
-    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]: ...
+
+@runtime_checkable
+class SupportsNativeLoad(Protocol):
+    def load_native(self, checkpoint: Any, state: dict[str, Any], strict: bool) -> list[str]:
+        """Load entries of ``state`` from ``checkpoint`` (an ``_io.canonical.Checkpoint``) the
+        backend's own way where it is in the backend's own format and layout (DeepSpeed's
+        engine at the same world size and stage); return their keys. The other entries are
+        loaded the common way."""
+        ...
 
 
 @runtime_checkable

@@ -16,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
 from scopedlite._core.init import on_device, skip_init
+from scopedlite._io.canonical import OptimizerEntry, Tensors
+from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._io.pretrained import PretrainedWeights
 from scopedlite._strategies.weights import load_weights
 
@@ -142,11 +145,16 @@ class Strategy(ABC):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 
-    def load_module_state(self, module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
-        self.unwrap(module).load_state_dict(state, strict=strict)
+    def load_module_from(self, module: torch.nn.Module, tensors: Tensors, strict: bool) -> None:
+        """Load a module entry of any checkpoint (``_io.canonical``) into ``module``."""
+        load_module(self.unwrap(module), tensors, strict)
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+    def load_optimizer_from(
+        self, optimizer: torch.optim.Optimizer, entry: OptimizerEntry, modules: Sequence[torch.nn.Module]
+    ) -> None:
+        """Load an optimizer entry of any checkpoint into ``optimizer``; its parameters are
+        named after ``modules`` (the models loaded with it)."""
+        load_optimizer(optimizer, entry, parameter_names(optimizer, [self.unwrap(m) for m in modules]))
 
     def load_weights(self, module: torch.nn.Module, weights: PretrainedWeights, strict: bool) -> None:
         """Copy pretrained ``weights`` into the set-up ``module``, each rank reading only the

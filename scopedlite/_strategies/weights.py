@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from scopedlite._io.pretrained import PretrainedWeights
-from scopedlite._private.deepspeed_internals import zero3_partition
+from scopedlite._private.deepspeed_internals import zero3_local_part
 
 __all__ = ["load_weights"]
 
@@ -63,7 +63,7 @@ def _fill(tensor: torch.Tensor, weights: PretrainedWeights, name: str) -> None:
         _check_shape(name, shape, tuple(tensor.shape))
         _fill_dtensor(tensor, weights, name, dtensor)
         return
-    partition = zero3_partition(tensor)
+    partition = zero3_local_part(tensor)
     if partition is not None:
         local, start, count, full_shape = partition
         _check_shape(name, shape, full_shape)

@@ -10,7 +10,8 @@ failures and the end of the run work exactly as under DDP. What is DeepSpeed's o
 - ``lite.sharded_init()`` under ZeRO-3 records the build and partitions the parameters one at
   a time as the block closes (``deepspeed.zero.Init(module=...)``), each with the value a
   plain build gives it: no rank ever holds the whole model (``init.py``).
-- ``lite.save``/``lite.load`` write and read the engine's sharded checkpoint directory.
+- ``lite.save`` writes the engine's sharded checkpoint directory; ``lite.load`` reads it, or
+  any other checkpoint (converted as it is read).
 
 DeepSpeed is imported when the strategy starts, never at ``import scopedlite``.
 """
@@ -22,11 +23,13 @@ import copy
 import importlib.util
 import os
 import types
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
 from scopedlite._core.structures import map_tensors
+from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
@@ -144,6 +147,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         self.engines = Engines()  # weak: a model the user drops is released
         self._saved_env: dict[str, str | None] = {}
         self._owns_group = False
+        self._deepspeed_comm = False  # deepspeed.comm wraps our group
         self._log_level: int | None = None
         try:
             super().start(placement, rendezvous)
@@ -178,6 +182,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         # that it did on every rank: that print (main thread, Python-level) is dropped.
         with contextlib.redirect_stdout(Discard()):
             self.deepspeed.init_distributed(dist_backend=self._backend, timeout=placement.timeout)
+        self._deepspeed_comm = True
 
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
@@ -189,6 +194,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def stop(self) -> None:
         self.engines.release_all()  # releases the engines' hooks and buffers
         self.engines = Engines()
+        if self._deepspeed_comm:
+            # Through DeepSpeed, which then forgets the groups it derived from this world (a
+            # clone of it, cached in module globals): a later launch in this process would
+            # otherwise hand the next engine a group of a world that is gone.
+            self.deepspeed.comm.destroy_process_group()
+            self._deepspeed_comm = False
         if self._owns_group:
             super().stop()
             self._owns_group = False
@@ -382,12 +393,28 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DeepSpeedReplay:
         return DeepSpeedReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
 
-    # -- checkpoints: the engine's sharded directory (see checkpoint.py) ------------------
+    # -- checkpoints: the engine's own folder; any checkpoint loaded (see checkpoint.py) --
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         _checkpoint.save_checkpoint(self, path, state)
 
-    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        return _checkpoint.load_checkpoint(self, path, state, strict)
+    def load_native(self, checkpoint: Any, state: dict[str, Any], strict: bool) -> list[str]:
+        return _checkpoint.load_native(self, checkpoint, state, strict)
+
+    def load_module_from(self, module: torch.nn.Module, tensors: Tensors, strict: bool) -> None:
+        record = self.engines.record(module)
+        if record is not None:
+            _checkpoint.load_engine(record.engine, record.optimizer, tensors, strict)
+        else:
+            super().load_module_from(module, tensors, strict)
+
+    def load_optimizer_from(
+        self, optimizer: torch.optim.Optimizer, entry: OptimizerEntry, modules: Sequence[torch.nn.Module]
+    ) -> None:
+        model = self.model_of(optimizer)
+        if model is None:
+            super().load_optimizer_from(optimizer, entry, modules)
+        else:
+            _checkpoint.load_engine_optimizer(self.engine(model), optimizer, entry)
 
 
 def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineRecord) -> None:

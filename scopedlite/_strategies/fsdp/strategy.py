@@ -15,20 +15,20 @@ import math
 import os
 import weakref
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 
-from scopedlite._io.consolidate import (
-    optimizer_state_to_indices,
-    optimizer_state_to_names,
-)
+from scopedlite._io.canonical import OptimizerEntry, Tensors
+from scopedlite._io.consolidate import optimizer_state_to_indices
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.fsdp.join import FSDPReplay
+from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
@@ -368,60 +368,24 @@ class FSDPStrategy(ProcessGroupStrategy):
         # Gathered to rank 0 only: the other ranks get an empty dict, which they never write.
         return optimizer_state_to_indices(state) if state else state
 
-    def load_module_state(self, module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
-        """Load a full (unsharded) model state dict: each rank cuts its own slices."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
+    def load_module_from(self, module: torch.nn.Module, tensors: Tensors, strict: bool) -> None:
+        """Each rank reads the slices of the checkpoint's tensors it holds, from any format."""
+        from torch.distributed.fsdp import FSDPModule
 
-        current = module.state_dict()
-        sharded = {k: _shard_like(v, current[k]) if k in current else v for k, v in state.items()}
-        set_model_state_dict(module, sharded, options=StateDictOptions(strict=strict))
+        for sub in module.modules():  # sharded, so that writing the shards is the whole story
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        load_module(module, tensors, strict)
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Load a full optimizer state dict (by position or by name): each rank cuts its slices."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        module = self.owner_of(optimizer)
-        state = optimizer_state_to_names(state, _parameter_names(module, optimizer))
-        params = dict(module.named_parameters())
-        per_param = {
-            name: {k: _shard_like(v, params[name]) for k, v in values.items()} if name in params else values
-            for name, values in state["state"].items()
-        }
-        set_optimizer_state_dict(module, optimizer, {"state": per_param, "param_groups": state["param_groups"]})
+    def load_optimizer_from(
+        self, optimizer: torch.optim.Optimizer, entry: OptimizerEntry, modules: Sequence[torch.nn.Module]
+    ) -> None:
+        load_optimizer(optimizer, entry, parameter_names(optimizer, [self.owner_of(optimizer)]))
 
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         """``lite.save`` under FSDP: a folder of shards, or one full file (``state_dict_type``)."""
         save = _checkpoint.save_sharded if self.state_dict_type == "sharded" else _checkpoint.save_full
         save(self, Path(path), state)
-
-    def load_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        """``lite.load`` under FSDP: a shard folder, or any single-file checkpoint (full or
-        consolidated), whatever ``state_dict_type`` says: the files on disk decide."""
-        path = Path(path)
-        load = _checkpoint.load_sharded if path.is_dir() else _checkpoint.load_file
-        return load(self, path, state, strict)
-
-
-def _shard_like(value: Any, like: Any) -> Any:
-    """``value`` (a full tensor) cut the way ``like`` (a sharded DTensor of that shape) is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not (isinstance(like, DTensor) and isinstance(value, torch.Tensor)) or isinstance(value, DTensor):
-        return value
-    if tuple(value.shape) != tuple(like.shape):
-        return value  # e.g. an optimizer's step count: not shaped like the parameter
-    # Every rank read the full tensor: cut the local slice without communicating.
-    full = value.to(device=like.device, dtype=like.dtype)
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-
-
-def _parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of the optimizer's parameters, in the optimizer's order."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 @contextlib.contextmanager

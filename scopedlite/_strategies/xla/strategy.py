@@ -202,10 +202,6 @@ class _XLABase(OneProcessCollectives, Strategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return _to_cpu(optimizer.state_dict())
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        # torch moves the state tensors to the parameters' device (XLA) itself.
-        optimizer.load_state_dict(state)
-
     def describe(self) -> str:
         return f"strategy={self.name!r}"
 

@@ -1,0 +1,130 @@
+"""Checkpoints move between strategies and world sizes (tests/test_checkpoint_moves.py).
+
+argv: folder, then launches as JSON: ``[[strategy, devices, [job, ...]], ...]``, run one after
+another in this process (several only on one process). Jobs, each with fresh objects:
+
+- ``save:NAME``: train epoch 0 from seed 0, save model, optimizer, loader, step and a note to
+  ``folder/NAME``;
+- ``load:NAME``: build from seed 1 (other values), load ``folder/NAME``, train epoch 1;
+- ``bigsave:NAME``: a model of eight 4 MB parameters, one AdamW step, saved;
+- ``bigload:NAME``: the same model set up fresh; its peak memory while ``lite.load`` reads.
+
+Rank 0 writes, per launch and job: the global mean loss of each step, the step count and note
+loaded, what load returned, the final parameters; for ``bigload`` every rank's memory.
+"""
+
+import gc
+import json
+import os
+import sys
+
+import torch
+from _common import write
+from _moves_common import BATCH, Big, make_data, make_net, make_optimizer, sampler
+
+import scopedlite as lite
+
+folder, launches = sys.argv[1], json.loads(sys.argv[2])
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train_epoch(model, opt, loader):
+    losses = []
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        lite.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(lite.all_reduce(loss.detach(), op="mean").item())
+    return losses
+
+
+def setup(seed):
+    run = lite.current()
+    model = make_net(seed)
+    model, opt = lite.setup(model, make_optimizer(model))
+    data = make_data()
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler(data, run.world_size, run.global_rank))
+    return model, opt, lite.setup_dataloader(loader)
+
+
+def save(name, strategy):
+    model, opt, loader = setup(seed=0)
+    losses = train_epoch(model, opt, loader)
+    note = {"from": strategy, "tensor": torch.arange(3.0)}
+    lite.save(os.path.join(folder, name), {"model": model, "opt": opt, "loader": loader, "step": len(losses), "note": note})
+    return {"losses": losses}
+
+
+def load(name):
+    model, opt, loader = setup(seed=1)
+    state = {"model": model, "opt": opt, "loader": loader, "step": 0, "note": None}
+    rest = lite.load(os.path.join(folder, name), state)
+    losses = train_epoch(model, opt, loader)
+    params = {k: full(v).detach().flatten().tolist() for k, v in model.state_dict().items()}
+    note = {"from": state["note"]["from"], "tensor": state["note"]["tensor"].tolist()}
+    return {
+        "losses": losses,
+        "step": state["step"],
+        "note": note,
+        "rest": sorted(rest),
+        "params": params,
+        "deepspeed_imported": "deepspeed" in sys.modules,
+    }
+
+
+def big_setup():
+    torch.manual_seed(0)
+    model = Big()
+    return lite.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def big_save(name):
+    model, opt = big_setup()
+    lite.backward(model(torch.randn(2, 1024)).square().mean())
+    opt.step()
+    opt.zero_grad()
+    lite.save(os.path.join(folder, name), {"model": model, "opt": opt})
+    return {}
+
+
+def memory():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024
+
+
+def big_load(name):
+    """Peak memory while loading, above what the process held before, less the optimizer
+    state the load creates (which the run keeps): what reading the checkpoint needed."""
+    model, opt = big_setup()
+    gc.collect()
+    lite.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from here
+    before, _ = memory()
+    lite.load(os.path.join(folder, name), {"model": model, "opt": opt})
+    after, peak = memory()
+    kept = sum(
+        t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+        for values in opt.state.values()
+        for t in values.values()
+        if isinstance(t, torch.Tensor)
+    )
+    numbers = torch.tensor([peak - before - kept, after - before, kept], dtype=torch.float64)
+    return {"ranks": lite.all_gather(numbers).tolist()}
+
+
+JOBS = {"save": save, "load": load, "bigsave": big_save, "bigload": big_load}
+
+results = []
+for strategy, devices, jobs in launches:
+    with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
+        done = {}
+        for job in jobs:
+            kind, name = job.split(":")
+            done[job] = JOBS[kind](name, strategy) if kind == "save" else JOBS[kind](name)
+        results.append({"strategy": strategy, "world_size": run.world_size, "jobs": done})
+write(results)  # only the main process (rank 0) gets here: the others leave at the end of the block

@@ -1,0 +1,133 @@
+"""Reading checkpoints in the canonical form, in this process (issue 23).
+
+The formats themselves are read for real by tests/test_checkpoint_moves.py (every strategy's
+checkpoint under every other); here: parts of tensors, optimizer states named through the
+optimizer they load into, the refusals, and how a DeepSpeed flat partition is filled from
+each parameter's slice (with plain tensors standing for DeepSpeed's partitions).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import scopedlite as lite
+from scopedlite._io.canonical import Box, read_flat
+from scopedlite._io.reader import open_checkpoint
+from scopedlite._private.deepspeed_internals import ZeroSlot
+from scopedlite._strategies.deepspeed.checkpoint import _load_partition
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias], "lr": 0.5}])
+    for _ in range(2):
+        model(torch.randn(5, 3)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_parts_of_a_tensor_are_read_by_box_and_by_flat_range(tmp_path):
+    whole = torch.arange(60.0).reshape(5, 3, 4)
+    lite.save(tmp_path / "c.pt", {"model": {"w": whole}})
+    with open_checkpoint(tmp_path / "c.pt") as checkpoint:
+        tensors = checkpoint.module("model")
+        assert torch.equal(tensors.read("w", Box((1, 0, 2), (3, 2, 2))), whole[1:4, 0:2, 2:4])
+        assert torch.equal(read_flat(tensors, "w", 7, 31), whole.reshape(-1)[7:31])
+        assert read_flat(tensors, "w", 9, 9).numel() == 0
+
+
+def test_an_optimizer_saved_by_position_is_named_through_the_optimizer_it_loads_into(tmp_path):
+    model, opt = _trained()
+    lite.save(tmp_path / "c.pt", {"opt": opt})
+    names = [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    with open_checkpoint(tmp_path / "c.pt") as checkpoint:
+        entry = checkpoint.optimizer("opt")
+        assert entry.keyed_by_position
+        named = entry.by_name([n for group in names for n in group])
+        named.check_groups(names)
+        assert [g["params"] for g in named.param_groups] == names
+        assert named.hyperparameters(1)["lr"] == 0.5
+        moment = named.tensors.read(("1.bias", "exp_avg"))
+        assert torch.equal(moment, opt.state[model[1].bias]["exp_avg"])
+        assert torch.equal(named.state["0.weight"]["step"], opt.state[model[0].weight]["step"])
+        with pytest.raises(lite.CheckpointError, match="other parameters than the optimizer"):
+            named.check_groups([["0.weight", "0.bias"], ["1.weight", "1.bias"]])
+        with pytest.raises(lite.CheckpointError, match="covers 4 parameters.*holds 3"):
+            entry.by_name(["a", "b", "c"])
+
+
+def test_a_whole_checkpoint_in_one_file_is_what_lite_load_returns_without_state(tmp_path):
+    model, opt = _trained()
+    lite.save(tmp_path / "c.pt", {"model": model, "opt": opt, "step": 2})
+    whole = lite.load(tmp_path / "c.pt")
+    assert whole["step"] == 2 and set(whole["model"]) == set(model.state_dict())
+    with pytest.raises(lite.CheckpointError, match="needs no consolidation"):
+        lite.consolidate_checkpoint(tmp_path / "c.pt", tmp_path / "d.pt")
+
+
+def test_optimizer_states_load_by_position_or_by_name_into_a_plain_optimizer(tmp_path):
+    model, opt = _trained()
+    lite.save(tmp_path / "c.pt", {"model": model, "opt": opt})
+    fresh, fresh_opt = _trained(seed=1)
+    lite.load(tmp_path / "c.pt", {"model": fresh, "opt": fresh_opt})  # by position: as torch does
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b) and torch.equal(fresh_opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+
+    # keyed by name (as in a folder): the names come from the model loaded with it
+    names = {id(p): n for n, p in model.named_parameters()}
+    saved = opt.state_dict()
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    named = {
+        "state": {order[i]: v for i, v in saved["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    torch.save({"model": model.state_dict(), "opt": named}, tmp_path / "named.pt")
+    fresh, fresh_opt = _trained(seed=1)
+    with pytest.raises(lite.CheckpointError, match="together with its model"):
+        lite.load(tmp_path / "named.pt", {"opt": fresh_opt}, strict=False)
+    lite.load(tmp_path / "named.pt", {"model": fresh, "opt": fresh_opt})
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(fresh_opt.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])
+
+
+def _partition(params: list[torch.nn.Parameter], rank: int, world: int) -> tuple[torch.Tensor, list[ZeroSlot]]:
+    """A ZeRO-3-like flat partition: each parameter's ceil(numel / world) elements of ``rank``."""
+    slots, offset = [], 0
+    sizes = [-(-p.numel() // world) for p in params]
+    flat = torch.zeros(sum(sizes))
+    for param, size in zip(params, sizes):
+        start = min(rank * size, param.numel())
+        slots.append(ZeroSlot(param, flat, offset, start, max(0, min(size, param.numel() - start)), 0))
+        offset += size
+    return flat, slots
+
+
+def test_a_deepspeed_partition_takes_each_parameters_slice_of_every_moment(tmp_path):
+    model, opt = _trained()
+    lite.save(tmp_path / "c.pt", {"opt": opt})
+    weights = [model[0].weight, model[1].weight]
+    with open_checkpoint(tmp_path / "c.pt") as checkpoint:
+        entry = checkpoint.optimizer("opt").by_name(["0.weight", "1.weight", "0.bias", "1.bias"])
+    for rank in range(3):
+        flat, slots = _partition(weights, rank, world=3)
+        inner = torch.optim.AdamW([flat])
+        _load_partition(inner, entry, list(zip(["0.weight", "1.weight"], slots)))
+        for slot, weight in zip(slots, weights):
+            expected = opt.state[weight]["exp_avg_sq"].reshape(-1)[slot.start : slot.start + slot.numel]
+            assert torch.equal(inner.state[flat]["exp_avg_sq"][slot.offset : slot.offset + slot.numel], expected)
+        assert torch.equal(inner.state[flat]["step"], opt.state[weights[0]]["step"])
+
+
+def test_a_deepspeed_partition_refuses_step_counts_that_differ(tmp_path):
+    model, opt = _trained()
+    opt.state[model[1].weight]["step"] += 1  # this parameter stepped once more
+    lite.save(tmp_path / "c.pt", {"opt": opt})
+    weights = [model[0].weight, model[1].weight]
+    with open_checkpoint(tmp_path / "c.pt") as checkpoint:
+        entry = checkpoint.optimizer("opt").by_name(["0.weight", "1.weight", "0.bias", "1.bias"])
+    flat, slots = _partition(weights, 0, world=2)
+    with pytest.raises(lite.CheckpointError, match="one 'step' for parameters.*differ"):
+        _load_partition(torch.optim.AdamW([flat]), entry, list(zip(["0.weight", "1.weight"], slots)))

@@ -1,0 +1,190 @@
+"""A checkpoint from any strategy and world size resumes under any other (issue 23).
+
+Each saving strategy (single on 1 process; ddp, fsdp, deepspeed_stage_3 on 2 real gloo ranks)
+trains epoch 0 and saves model, AdamW (two param groups), loader, step and a note; every
+loading strategy, and fsdp on 1 and 3 ranks and deepspeed on 1, builds a model with other
+values, loads each checkpoint and trains epoch 1. Every loss of every continued run must be
+that of an uninterrupted run computed here, in one process, with plain torch (the saving
+world size for epoch 0, the loading one for epoch 1: a step's gradient is the mean of the
+ranks' mean losses, each rank reading what torch's ``DistributedSampler`` gives it).
+
+Few launches serve the matrix: one per saving strategy (it also loads what exists by then),
+one more for ddp and fsdp to load what was saved after them, one process running single,
+deepspeed_stage_2 (which saves a ZeRO-2 checkpoint too), fsdp and deepspeed_stage_3 on one
+device one after another, and fsdp on 3 ranks. A model of eight 4 MB parameters checks that
+loading a sharded checkpoint never needs the whole model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPTS, _env
+
+import scopedlite as lite
+
+sys.path.insert(0, str(SCRIPTS))
+from _moves_common import BATCH, make_data, make_net, make_optimizer, sampler  # noqa: E402
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])", allow_module_level=True)
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.deepspeed_op]
+
+# checkpoint name: the strategy and world size that saved it
+SAVED = {"S": ("single", 1), "D": ("ddp", 2), "F": ("fsdp", 2), "Z": ("deepspeed_stage_3", 2), "Z2": ("deepspeed_stage_2", 1)}
+MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
+ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2"]
+LAUNCHES = [  # in order: each loads what the launches before it saved
+    [["single", 1, ["save:S", "load:S"]]],
+    [["ddp", 2, ["save:D", "load:S", "load:D"]]],
+    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB"]]],
+    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB"]]],
+    [["ddp", 2, ["load:F", "load:Z"]]],
+    [["fsdp", 2, ["load:Z", "bigload:ZB", "bigload:FB"]]],
+    [  # one process, four launches one after another
+        ["single", 1, ["load:D", "load:F", "load:Z"]],  # first: DeepSpeed not imported yet
+        ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2"]],
+        ["fsdp", 1, ALL],
+        ["deepspeed_stage_3", 1, ALL],
+    ],
+    [["fsdp", 3, ALL[:4]]],
+]
+
+
+@pytest.fixture(scope="module")
+def moves(tmp_path_factory):
+    """Every launch's results: {(strategy, world size): {job: result}}, and the folder."""
+    folder = tmp_path_factory.mktemp("moves")
+    results: dict[tuple[str, int], dict[str, dict]] = {}
+    for index, launch in enumerate(LAUNCHES):
+        out = folder / f"out-{index}.json"
+        # glibc keeps freed blocks in its heap, where RSS would go on counting them: every
+        # block above 64 KiB mapped on its own makes RSS the memory in use (bigload)
+        env = {**_env(), "OUT": str(out), "MALLOC_MMAP_THRESHOLD_": "65536"}
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPTS / "checkpoint_moves.py"), str(folder), json.dumps(launch)],
+            capture_output=True, text=True, timeout=240, env=env, cwd=folder,
+        )
+        assert proc.returncode == 0, f"launch {launch}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        for block in json.loads(out.read_text()):
+            results.setdefault((block["strategy"], block["world_size"]), {}).update(block["jobs"])
+    return results, folder
+
+
+def reference(phases: list[tuple[int, int]]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Plain torch, one process: for each ``(world_size, epoch)`` one epoch of steps whose
+    gradient is that of the mean over ranks of each rank's mean loss. Returns each phase's
+    losses and the final state dict."""
+    model = make_net(0)
+    opt = make_optimizer(model)
+    data = make_data()
+    x, y = data.tensors
+    out = []
+    for world_size, epoch in phases:
+        batches = []
+        for rank in range(world_size):
+            s = sampler(data, world_size, rank)
+            s.set_epoch(epoch)
+            order = list(s)
+            batches.append([order[i : i + BATCH] for i in range(0, len(order), BATCH)])
+        losses = []
+        for step in range(len(batches[0])):
+            loss = sum(torch.nn.functional.mse_loss(model(x[b[step]]), y[b[step]]) for b in batches) / world_size
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out.append(losses)
+    return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _close(got: list[float], expected: list[float]) -> float:
+    """The largest relative difference, after checking the lengths agree."""
+    assert len(got) == len(expected), (got, expected)
+    return max(abs(g - e) / abs(e) for g, e in zip(got, expected))
+
+
+def _check_continued(result: dict, name: str, world_size: int) -> None:
+    saver, saved_on = SAVED[name]
+    (first, second), params = reference([(saved_on, 0), (world_size, 1)])
+    assert result["step"] == len(first)  # the other entries came back
+    assert result["note"] == {"from": saver, "tensor": [0.0, 1.0, 2.0]}
+    assert _close(result["losses"], second) < 1e-6, (name, result["losses"], second)
+    assert sorted(result["params"]) == sorted(params)  # the buffer came back too
+    for key, value in params.items():
+        assert torch.allclose(torch.tensor(result["params"][key]), value.flatten(), rtol=1e-5, atol=1e-6), key
+
+
+def test_each_saving_run_follows_the_plain_torch_trajectory(moves):
+    results, _ = moves
+    for name, (strategy, world_size) in SAVED.items():
+        (first,), _ = reference([(world_size, 0)])
+        assert _close(results[(strategy, world_size)][f"save:{name}"]["losses"], first) < 1e-6, strategy
+
+
+@pytest.mark.parametrize("loader", list(MATRIX))
+def test_every_checkpoint_continues_exactly_under_every_strategy(moves, loader):
+    """The 4 x 4 matrix: single on 1 process, the others on 2 ranks."""
+    results, _ = moves
+    for name in ("S", "D", "F", "Z"):
+        _check_continued(results[(loader, MATRIX[loader])][f"load:{name}"], name, MATRIX[loader])
+
+
+@pytest.mark.parametrize("loader,world_size", [("fsdp", 1), ("fsdp", 3), ("deepspeed_stage_3", 1)])
+def test_checkpoints_continue_exactly_at_another_world_size(moves, loader, world_size):
+    """fsdp 2 -> 1 and 2 -> 3, deepspeed 2 -> 1 (and every other checkpoint into them)."""
+    results, _ = moves
+    for job in ALL if world_size == 1 else ALL[:4]:
+        _check_continued(results[(loader, world_size)][job], job.split(":")[1], world_size)
+
+
+def test_deepspeed_stage_2_converts_both_ways(moves):
+    """ZeRO-2 keeps its partitions in another layout than ZeRO-3: it loads every checkpoint,
+    and its own loads under fsdp and ZeRO-3."""
+    results, _ = moves
+    for job in ALL:
+        _check_continued(results[("deepspeed_stage_2", 1)][job], job.split(":")[1], 1)
+    for loader in ("fsdp", "deepspeed_stage_3"):
+        _check_continued(results[(loader, 1)]["load:Z2"], "Z2", 1)
+
+
+def test_a_deepspeed_checkpoint_loads_without_deepspeed(moves):
+    results, _ = moves
+    assert results[("single", 1)]["load:Z"]["deepspeed_imported"] is False
+
+
+@pytest.mark.parametrize("name", ["F", "Z"])
+def test_a_folder_consolidates_into_the_file_the_other_strategies_write(moves, tmp_path, name):
+    _, folder = moves
+    lite.consolidate_checkpoint(folder / name, tmp_path / "one.pt")
+    whole = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert sorted(whole) == ["loader", "model", "note", "opt", "step"] and whole["step"] == 3
+    _, params = reference([(2, 0)])
+    assert sorted(whole["model"]) == sorted(params)
+    for key, value in params.items():
+        assert torch.allclose(whole["model"][key], value, rtol=1e-5, atol=1e-6), key
+    model = make_net(1)
+    opt = make_optimizer(model)
+    assert sorted(lite.load(tmp_path / "one.pt", {"model": model, "opt": opt})) == ["loader", "note", "step"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert all(opt.state[p]["step"].item() == 3 for p in model.parameters())
+
+
+@pytest.mark.parametrize("loader,checkpoint", [("fsdp", "FB"), ("fsdp", "ZB"), ("deepspeed_stage_3", "FB")])
+def test_loading_a_sharded_checkpoint_never_needs_the_whole_model(moves, loader, checkpoint):
+    """Eight 4 MB parameters, 96 MB with AdamW's moments; each of 2 ranks holds half. What
+    reading the checkpoint needed beyond what the run keeps stays under 16 MB (half of the
+    parameters alone), whereas reading any whole model or moment set would take 32 MB."""
+    results, _ = moves
+    ranks = results[(loader, 2)][f"bigload:{checkpoint}"]["ranks"]
+    assert len(ranks) == 2
+    for needed, _, kept in ranks:
+        print(f"{loader} <- {checkpoint}: {needed / 2**20:.1f} MB needed beyond what the run keeps")
+        assert abs(kept - 32 * 2**20) < 2**10  # each rank's half of the two moments (and step counts)
+        assert needed < 16 * 2**20, f"{needed / 2**20:.1f} MB needed beyond what the run keeps"
