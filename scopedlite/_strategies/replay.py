@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from scopedlite._comm.process_group import broadcast_any
 from scopedlite._core.structures import map_tensors
+from scopedlite._strategies.join_members import models_in_join
 from scopedlite._strategies.join_session import (
     ABORT,
     PEER_LEFT,
@@ -179,6 +180,7 @@ class ReplayJoin(ProcessGroupJoin):
     # -- the block ---------------------------------------------------------------------------
     def __enter__(self) -> ReplayJoin:  # noqa: PYI034
         try:
+            self._stack.enter_context(models_in_join(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
             self._stack.enter_context(self.replayer.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._hook_optimizers()
