@@ -30,6 +30,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import nanogpt  # noqa: E402
+from _common import NetWithMethods, micro_batch  # noqa: E402
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
@@ -50,32 +51,16 @@ def _max_diff(params: dict[str, list[float]], reference: torch.nn.Module) -> flo
 
 
 # -- the minimal form under DDP --------------------------------------------------------------
-class _Net(torch.nn.Module):  # the script's Net, with the same parameter names
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-def _micro_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    x = torch.randn(4, 4, generator=g)
-    return x, x.sum(dim=1, keepdim=True)
-
-
 def _minimal_reference() -> torch.nn.Module:
     """One process: each step, the gradients summed over both micro-batches of each rank and
     averaged over the ranks (what DDP with no_sync accumulation computes), then SGD."""
     torch.manual_seed(0)
-    net = _Net()
+    net = NetWithMethods()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(STEPS):
         for rank in range(WORLD):
             for micro in range(2):
-                x, y = _micro_batch(step, rank, micro)
+                x, y = micro_batch(step, rank, micro)
                 (torch.nn.functional.mse_loss(net(x), y) / WORLD).backward()
         opt.step()
         opt.zero_grad()

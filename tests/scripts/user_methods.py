@@ -29,37 +29,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import nanogpt  # noqa: E402
-from _common import write  # noqa: E402
+from _common import NetWithMethods, micro_batch, write  # noqa: E402
 
 import scopedlite as lite  # noqa: E402
 
 strategy = sys.argv[1]
 STEPS = 3
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def score(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward(x).mean()
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self(x), y)
-
-
-def micro_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    x = torch.randn(4, 4, generator=g)
-    return x, x.sum(dim=1, keepdim=True)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, list[float]]:
@@ -76,7 +51,7 @@ def same_on_every_rank(model: torch.nn.Module) -> bool:
 
 def ddp_phase(phase: str, run: lite.Run) -> dict:
     torch.manual_seed(0)
-    net = Net()
+    net = NetWithMethods()
     model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     calls = [0]
 
