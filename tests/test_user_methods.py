@@ -80,7 +80,23 @@ def test_ddp_methods_on_some_ranks_change_no_collective(script):
         assert seen["all_reduces"] == [0, 1] * STEPS, phase
     assert result["ddp"]["rank0"]["counted"] == [n_params] * STEPS  # rank 0's own calls
     assert result["ddp"]["all"]["counted"] == [n_params] * STEPS
+    joined = result["ddp_join"]
+    assert joined["message"].startswith(
+        "Inside lite.join the result of the model's own method NetWithMethods.loss() was back-propagated"
+    ), joined["message"]
+    assert joined["same"] and _max_diff(joined["params"], _one_step_reference()) < 1e-6
     _check_nanogpt(result, clip=1.0, tolerance=1e-5)
+
+
+def _one_step_reference() -> torch.nn.Module:
+    """One SGD step on both ranks' first micro-batch of step 0, averaged."""
+    torch.manual_seed(0)
+    net = NetWithMethods()
+    for rank in range(WORLD):
+        x, y = micro_batch(0, rank, 0)
+        (torch.nn.functional.mse_loss(net(x), y) / WORLD).backward()
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    return net
 
 
 # -- nanoGPT's pattern -----------------------------------------------------------------------

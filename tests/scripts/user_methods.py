@@ -8,7 +8,8 @@ argv: strategy (ddp | fsdp | deepspeed_stage_2 | deepspeed_stage_3)
   fresh model with a comm hook that counts DDP's gradient all-reduces per micro-step:
   ``rank0`` (rank 0 alone calls ``num_params`` and ``score`` after each step), ``all`` (every
   rank does), ``method_loss`` (the loss is ``model.loss(x, y)``), ``mixed`` (forward's loss
-  plus a method's, one backward).
+  plus a method's, one backward); then, inside ``lite.join``, a method's result back-propagated
+  (refused on every rank) and forward's loss (trains).
 - every strategy but ZeRO-3: nanoGPT's loop (examples/nanogpt.py: ``estimate_mfu`` on rank 0
   only, accumulation, clipping), then again inside ``lite.join``.
 - fsdp and ZeRO-3: ``generate`` (a method that gathers) on every rank works, on rank 0 only
@@ -84,6 +85,25 @@ def ddp_phase(phase: str, run: lite.Run) -> dict:
     return {"params": full_state(model), "same": same_on_every_rank(model), "all_reduces": per_micro, "counted": counted}
 
 
+def ddp_backward_of_a_method_in_join(run: lite.Run) -> dict:
+    """Inside lite.join a method's result cannot be back-propagated (ranks out of data replay
+    forwards): refused on every rank before anything is reduced; forward's loss still trains."""
+    torch.manual_seed(0)
+    net = NetWithMethods()
+    model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = micro_batch(0, run.global_rank, 0)
+    with lite.join(model):
+        try:
+            lite.backward(model.loss(x, y))
+            message = "no error"
+        except RuntimeError as e:
+            message = str(e)
+        lite.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return {"message": message, "params": full_state(model), "same": same_on_every_rank(model)}
+
+
 def nanogpt_runs() -> dict:
     # DeepSpeed: lite.clip_gradients inside lite.join fails under ZeRO 1-2 today (issue 21)
     clip = "0" if strategy.startswith("deepspeed") else "1.0"
@@ -134,6 +154,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
     out: dict = {"strategy": strategy}
     if strategy == "ddp":
         out["ddp"] = {phase: ddp_phase(phase, run) for phase in ("rank0", "all", "method_loss", "mixed")}
+        out["ddp_join"] = ddp_backward_of_a_method_in_join(run)
     if strategy != "deepspeed_stage_3":
         out["nanogpt"] = nanogpt_runs()
     if strategy in ("fsdp", "deepspeed_stage_3"):
