@@ -61,6 +61,10 @@ class UserModelView(torch.nn.Module):
             even with gradients disabled (ZeRO-3: parameters must be gathered for any use).
             Otherwise they go through forward only when gradients are enabled (DeepSpeed
             stages 1-2; :class:`SetUpDDP` routes them its own way).
+        lite_nesting: Set by the strategy where methods gather over several ranks (ZeRO-3):
+            a :class:`~scopedlite._strategies.lockstep.Nesting` whose ledger checks that every
+            rank calls the method before it gathers. Inside ``lite.join`` a method that would
+            gather is refused, and one whose result is back-propagated too (join_members.py).
     """
 
     lite_always_through_forward: ClassVar[bool] = False
