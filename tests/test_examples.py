@@ -73,6 +73,18 @@ def test_example_accumulate_matches_one_process_on_the_big_batch(run_python):
     assert len(losses) == 4 and losses[-1] < losses[0] * 0.1, losses
 
 
+def test_example_nanogpt_logs_the_mfu_on_rank_zero_and_learns(run_python):
+    result = run_python(str(REPO / "examples" / "nanogpt.py"))
+    assert result.returncode == 0, result.explain()
+    logged = re.findall(r"^iter (\d+): loss ([0-9.]+), time [0-9.]+ms, mfu (-?[0-9.]+)%$", result.stdout, re.M)
+    assert [int(i) for i, _, _ in logged] == list(range(12)), result.stdout  # rank 0 alone, every iteration
+    mfu = [float(m) for _, _, m in logged]
+    assert mfu[:5] == [-100.0] * 5 and all(m > 0 for m in mfu[5:]), mfu  # estimate_mfu from the 5th on
+    losses = [float(loss) for _, loss, _ in logged]
+    assert losses[-1] < losses[0] * 0.8, losses
+    assert "2 processes, ddp: loss" in result.stdout
+
+
 def _deepspeed_installed() -> bool:
     import importlib.util
 

@@ -60,6 +60,7 @@ from scopedlite._strategies.join_message import (
     Round,
     site_id,
 )
+from scopedlite._strategies.join_members import models_in_join
 from scopedlite._strategies.join_session import (
     PEER_LEFT,
     JoinCollectives,
@@ -151,6 +152,7 @@ class ReplaySession:
     # -- the block ---------------------------------------------------------------------------------
     def __enter__(self) -> ReplaySession:  # noqa: PYI034
         try:
+            self._stack.enter_context(models_in_join(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
             self._stack.enter_context(self.replayer.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._stack.callback(self.events.close)

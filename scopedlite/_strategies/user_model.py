@@ -8,9 +8,10 @@ class is swapped, after it is built, for a subclass that adds :class:`UserModelV
 
 - attributes the wrapper does not have are read from (and, if the module has them, written
   to) the user's module;
-- the user's own methods run *through the wrapper's forward* (the user's ``forward`` is
-  pointed at the method for that one call), so whatever the wrapper does around forward
-  happens for them too: DDP prepares the gradient all-reduce, ZeRO-3 gathers parameters;
+- the user's own methods: under DDP plain calls, with DDP's gradient sync prepared only when
+  their result is back-propagated (ddp_methods.py); under DeepSpeed *through the engine's
+  forward* (the user's ``forward`` is pointed at the method for that one call), so that
+  ZeRO-3 gathers the parameters for them;
 - ``state_dict()`` / ``load_state_dict()`` are the user's module's, with its plain keys.
 
 The wrapper keeps its class's identity (``isinstance(model, DistributedDataParallel)`` stays
@@ -27,6 +28,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+from scopedlite._strategies.ddp_methods import ddp_method
+from scopedlite._strategies.join_members import in_join, refuse_backward_in_join, refuse_gather_in_join
+from scopedlite._strategies.method_results import on_backward
 
 __all__ = [
     "SAVING_METHODS",
@@ -101,8 +106,12 @@ class UserModelView(torch.nn.Module):
     Attributes:
         lite_always_through_forward: Run the user's methods through the wrapper's forward
             even with gradients disabled (ZeRO-3: parameters must be gathered for any use).
-            Otherwise they go through forward only when gradients are enabled (DDP: forward
-            prepares the gradient all-reduce; without gradients the local replica is whole).
+            Otherwise they go through forward only when gradients are enabled (DeepSpeed
+            stages 1-2; :class:`SetUpDDP` routes them its own way).
+        lite_nesting: Set by the strategy where methods gather over several ranks (ZeRO-3):
+            a :class:`~scopedlite._strategies.lockstep.Nesting` whose ledger checks that every
+            rank calls the method before it gathers. Inside ``lite.join`` a method that would
+            gather is refused, and one whose result is back-propagated too (join_members.py).
     """
 
     lite_always_through_forward: ClassVar[bool] = False
@@ -131,13 +140,17 @@ class UserModelView(torch.nn.Module):
         if name in SAVING_METHODS:
             return self._lite_saving_method(inner, name)
         if name in _methods_of(type(inner)):
-            return _through_forward(self, inner, name)
+            return self._lite_method(inner, name)
         return getattr(inner, name)
 
     def _lite_saving_method(self, inner: torch.nn.Module, name: str) -> Any:
         """A method that saves the weights (``save_pretrained``): where every rank holds them
         whole (DDP), the user's own, called directly, on any subset of ranks."""
         return getattr(inner, name)
+
+    def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
+        """``inner.<name>``, one of the user's own methods, as the set-up model answers it."""
+        return _through_forward(self, inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self._lite_inner()
@@ -171,27 +184,23 @@ def _methods_of(cls: type[torch.nn.Module]) -> frozenset[str]:
 def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
     """``inner.<name>`` as a callable that runs inside ``wrapper``'s forward when needed."""
     method = getattr(inner, name)
+    qualified = f"{type(inner).__name__}.{name}"
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if in_join(inner):  # ranks out of data replay forwards: a method is not one (join_members.py)
+            if wrapper.lite_always_through_forward:
+                refuse_gather_in_join(qualified)
+            return on_backward(method(*args, **kwargs), functools.partial(refuse_backward_in_join, qualified))
         if not (wrapper.lite_always_through_forward or torch.is_grad_enabled()):
             return method(*args, **kwargs)
-        had_own_forward = "forward" in inner.__dict__
-        own_forward = inner.__dict__.get("forward")
-
-        def redirected(*a: Any, **k: Any) -> Any:
-            _restore_forward(inner, had_own_forward, own_forward)  # the method may call forward
-            out = method(*a, **k)
-            # Wrappers' post-forward hooks look into outputs; a plain str or float has no
-            # attributes to look into (ZeRO-3 calls vars() on it), so it travels boxed.
-            return out if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__") else _Boxed(out)
-
-        inner.forward = _not_traced(redirected)  # type: ignore[method-assign]
-        try:
-            out = wrapper(*args, **kwargs)
-        finally:
-            _restore_forward(inner, had_own_forward, own_forward)
-        return out.value if isinstance(out, _Boxed) else out
+        nesting = wrapper.__dict__.get("lite_nesting")  # ZeRO-3 over several ranks
+        if nesting is None or nesting.depth:
+            return _run_through_forward(wrapper, inner, method, args, kwargs)
+        if nesting.ledger is not None:
+            nesting.ledger.method(qualified)  # every rank gathers with us, or this raises
+        with nesting.method():
+            return _run_through_forward(wrapper, inner, method, args, kwargs)
 
     return call
 
@@ -200,6 +209,26 @@ def _not_traced(method: Callable[..., Any]) -> Callable[..., Any]:
     """A compiled wrapper (``torch.compile``) traces its forward: not the user's method run in
     its place. (Nothing is compiled while torch's compiler was never imported.)"""
     return torch.compiler.disable(method) if "torch._dynamo" in sys.modules else method
+
+
+def _run_through_forward(wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Call ``method`` inside ``wrapper``'s forward (``inner.forward`` points at it meanwhile)."""
+    had_own_forward = "forward" in inner.__dict__
+    own_forward = inner.__dict__.get("forward")
+
+    def redirected(*a: Any, **k: Any) -> Any:
+        _restore_forward(inner, had_own_forward, own_forward)  # the method may call forward
+        out = method(*a, **k)
+        # Wrappers' post-forward hooks look into outputs; a plain str or float has no
+        # attributes to look into (ZeRO-3 calls vars() on it), so it travels boxed.
+        return out if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__") else _Boxed(out)
+
+    inner.forward = _not_traced(redirected)  # type: ignore[method-assign]
+    try:
+        out = wrapper(*args, **kwargs)
+    finally:
+        _restore_forward(inner, had_own_forward, own_forward)
+    return out.value if isinstance(out, _Boxed) else out
 
 
 class _Boxed:
@@ -249,6 +278,9 @@ def share_tied(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]
 
 class SetUpDDP(UserModelView, DistributedDataParallel):
     """``DistributedDataParallel`` answering for the user's module (see the module docstring)."""
+
+    def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
+        return ddp_method(self, inner, name)
 
 
 _VIEW_CLASSES: dict[tuple[type, type], type] = {}

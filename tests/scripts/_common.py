@@ -69,3 +69,32 @@ def reference_training(n: int, world_size: int, batch_size: int, lr: float = 0.1
             p.grad = t / (world_size if divide_by_initial else active)
         opt.step()
     return model
+
+
+class NetWithMethods(torch.nn.Module):
+    """A model with methods of its own: one runs no forward, one a forward never
+    back-propagated, one a loss (tests/scripts/user_methods.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x).mean()
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
+def micro_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``micro`` of ``rank`` at ``step`` (4 rows; the target is the row sum)."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn(4, 4, generator=g)
+    return x, x.sum(dim=1, keepdim=True)

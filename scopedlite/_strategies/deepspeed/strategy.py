@@ -49,6 +49,7 @@ from scopedlite._strategies.deepspeed.logs import (
     filtered_warnings,
     quiet_deepspeed,
 )
+from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group import ProcessGroupStrategy
 from scopedlite._strategies.reroute import reroute_step
 
@@ -153,6 +154,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             super().start(placement, rendezvous)
             self._owns_group = True
             self._start_deepspeed(placement, rendezvous)
+            # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
+            # gathering steps, and a method called on some ranks only is refused (lockstep.py).
+            self._ledger = GatherLedger.of_default_group("deepspeed_stage_3") if self.stage == 3 and placement.world_size > 1 else None
         except BaseException:
             self.stop()  # leave no process group or environment variable behind
             raise
@@ -270,6 +274,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         record = self.engines.add(model, engine, optimizer)
         if optimizer is not None:
             _route_step_through_engine(optimizer, record)
+        if self._ledger is not None:  # ZeRO-3's methods gather: every rank must call them
+            nesting = Nesting(self._ledger)
+            engine.register_forward_pre_hook(nesting.enter, prepend=True)
+            engine.register_forward_hook(nesting.leave, always_call=True)
+            model.lite_nesting = nesting  # read by the user's methods (user_model.py)
         return model, [] if optimizer is None else [optimizer]
 
     def engine(self, model: torch.nn.Module) -> Any:

@@ -29,10 +29,17 @@ from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.fsdp.join import FSDPReplay
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
+from scopedlite._strategies.lockstep import GatherLedger
 from scopedlite._strategies.process_group import ProcessGroupStrategy
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
+
+# The end of the advice when a method that gathers is called on some ranks only (lockstep.py).
+_WITHOUT_GATHERING = (
+    ", or compute what one rank needs without the parameters' values: their numel() and "
+    "shape are the full ones and need no gathering"
+)
 
 __all__ = ["FSDPStrategy", "fsdp2_problem", "release"]
 
@@ -173,6 +180,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         self._replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[torch.nn.Parameter]]] = {}
         self._modules: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # in setup order, for join
+        # Where each rank notes its gathering steps, so that a method gathering on some ranks
+        # only is refused instead of hanging (lockstep.py).
+        self._ledger = GatherLedger.of_default_group(self.name, _WITHOUT_GATHERING) if placement.world_size > 1 else None
 
     # -- building and sharding ------------------------------------------------------------
     def module_init_context(self, empty: bool) -> ContextManager[Any]:
@@ -223,12 +233,10 @@ class FSDPStrategy(ProcessGroupStrategy):
         if replay is not None:
             module.to_empty(device=self.placement.device)
             replay.run()
-        # The user's other methods gather the parameters as forward does (methods.py), on the
-        # model and on each submodule that is its own FSDP unit.
-        for sub in module.modules():
-            if sub is not module and isinstance(sub, FSDPModule):
-                gather_for_user_methods(sub, type(sub))
-        gather_for_user_methods(module, user_class)
+        # The user's other methods gather the parameters as forward does, when they need them
+        # (methods.py), on the model and on each submodule that is its own FSDP unit; after the
+        # replay, whose twins copy the module's attributes.
+        gather_for_user_methods(module, user_class, self._ledger)
 
         after = dict(module.named_parameters(remove_duplicate=False))
         self._replaced = {k: v for k, v in self._replaced.items() if v[0]() is not None and v[1]() is not None}
