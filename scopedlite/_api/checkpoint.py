@@ -89,7 +89,7 @@ def load(
         for key, value in work.items():
             if key in loaders:
                 if value is not None:  # absent only with strict=False: the loader stays as it is
-                    loaders[key]._lite_load_state(value, run.global_rank, run.world_size)
+                    loaders[key]._lite_load_state(value, run.data_parallel_rank, run.data_parallel_size)
             else:
                 state[key] = value
         return rest
@@ -97,7 +97,12 @@ def load(
 
 
 def _loader_entry(key: str, value: Any) -> Any:
-    """A loader of ``setup_dataloader`` as checkpoint data: every rank's state (a collective)."""
+    """A loader of ``setup_dataloader`` as checkpoint data: every rank's state (a collective).
+
+    One state per share of the data (per data-parallel rank): the tensor-parallel ranks of a
+    replica (``model_parallel``) read the same batches, and the first of them speaks for all,
+    so a checkpoint's shares are those the data was dealt into, whatever the strategy.
+    """
     if isinstance(value, DataLoader):
         raise TypeError(
             f"state[{key!r}] is a plain DataLoader; only the loader lite.setup_dataloader returns "
@@ -111,7 +116,7 @@ def _loader_entry(key: str, value: Any) -> Any:
     local = value._lite_local_state()
     run = current()
     try:
-        ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
+        shares = [broadcast((run.data_parallel_rank, local), src=r) for r in range(run.world_size)]
     except RuntimeError as e:
         if not in_join():
             raise
@@ -120,7 +125,11 @@ def _loader_entry(key: str, value: Any) -> Any:
             "lite.join: a rank that ran out of data has left the loop. Save after the join "
             "block, where every rank takes part (docs/preemption.md shows the loop)."
         ) from e
-    return {"format": FORMAT, "world_size": run.world_size, "ranks": ranks}
+    by_share: dict[int, Any] = {}
+    for share, state in shares:
+        by_share.setdefault(int(share), map_tensors(state, lambda t: t.cpu()))
+    ranks = [by_share[share] for share in range(run.data_parallel_size)]
+    return {"format": FORMAT, "world_size": run.data_parallel_size, "ranks": ranks}
 
 
 def _load(

@@ -359,14 +359,14 @@ def _refuse_unrebuildable(loader: DataLoader) -> None:  # type: ignore[type-arg]
             f"setup_dataloader rebuilds the loader around a distributed sampler and cannot "
             f"rebuild a {type(loader).__name__} (a DataLoader subclass) faithfully. Pass a "
             "plain torch.utils.data.DataLoader, or shard it yourself (e.g. with "
-            "lite.ShardedSampler(sampler, run.global_rank, run.world_size)) and call "
+            "lite.ShardedSampler(sampler, run.data_parallel_rank, run.data_parallel_size)) and call "
             "setup_dataloader(loader, use_distributed_sampler=False)."
         )
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError(
             "setup_dataloader cannot shard an IterableDataset: it has no indices to deal out, "
             "so every rank would read the whole stream. Make the dataset yield this rank's "
-            "share itself (lite.current().global_rank / world_size), then call "
+            "share itself (lite.current().data_parallel_rank of .data_parallel_size), then call "
             "setup_dataloader(loader, use_distributed_sampler=False)."
         )
 
@@ -435,7 +435,10 @@ def setup_dataloader(
     sharded twice, and other samplers keep their own order, drawn under generators seeded
     alike on every rank. The shuffle seed is rank 0's ``seed_everything`` seed (0 if never
     called), agreed here once. The epoch advances each pass and continues across loaders
-    rebuilt every epoch. Workers are seeded per (base seed, worker, rank). The returned loader
+    rebuilt every epoch. Workers are seeded per (base seed, worker, rank). The shares go to
+    the data-parallel ranks (``lite.current().data_parallel_rank`` of ``data_parallel_size``):
+    one per process, except under ``model_parallel``, where the tensor-parallel ranks of one
+    replica get the same batches (and the same worker seeds). The returned loader
     may be put in the state of ``lite.save``; after ``lite.load`` its next pass continues the
     saved epoch with the first batch not yet seen.
 
@@ -460,7 +463,9 @@ def setup_dataloader(
     prepared = []
     for loader in loaders:
         if shard:
-            loader = _shard_loader(loader, run.global_rank, run.world_size, seed)
+            # over the data-parallel dimension: the tensor-parallel ranks of one replica
+            # (model_parallel) read the same batches
+            loader = _shard_loader(loader, run.data_parallel_rank, run.data_parallel_size, seed)
         strategy = run.strategy
         feed = strategy.device_batches if move_to_device and isinstance(strategy, SupportsDeviceFeed) else None
         prepared.append(DeviceDataLoader(loader, run.device if move_to_device else None, feed))
