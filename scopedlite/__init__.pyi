@@ -58,6 +58,7 @@ from ._strategies.deepspeed.strategy import DeepSpeedStrategy as DeepSpeedStrate
 from ._strategies.fsdp.strategy import FSDPStrategy as FSDPStrategy
 from ._strategies.join_session import PeerLeftJoinError as PeerLeftJoinError
 from ._strategies.lockstep import MethodCalledOnSomeRanksError as MethodCalledOnSomeRanksError
+from ._strategies.model_parallel import ModelParallelStrategy as ModelParallelStrategy
 from ._strategies.single import SingleDeviceStrategy as SingleDeviceStrategy
 from ._strategies.xla.strategy import XLAStrategy as XLAStrategy
 

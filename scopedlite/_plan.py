@@ -459,7 +459,11 @@ def _parse_command_line(name: str, text: str) -> Any:
 def _agrees(name: str, value: Any, given: Any) -> bool:
     if name == "strategy":
         if isinstance(value, Strategy):
-            return given != "auto" and isinstance(value, STRATEGIES[given].cls)
+            # the name of the instance's own kind: a ModelParallelStrategy is an FSDPStrategy
+            # subclass, yet `--strategy fsdp` does not describe it
+            kinds = [entry.cls for entry in STRATEGIES.values() if isinstance(value, entry.cls)]
+            own = max(kinds, key=lambda cls: len(cls.__mro__), default=None)
+            return given != "auto" and own is STRATEGIES[given].cls
         return value == given or (value in STRATEGIES and given in STRATEGIES and STRATEGIES[value] == STRATEGIES[given])
     if name == "devices":
         if isinstance(value, (list, tuple)) and isinstance(given, int):

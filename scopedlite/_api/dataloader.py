@@ -174,7 +174,10 @@ def setup_dataloader(
     handed to every sampler with ``set_epoch``, as torch's recipe and Fabric do; a loader
     rebuilt over the same dataset continues the last one's count unless ``seed_everything``
     came in between (see ``epochs``). Workers are seeded per (base seed, worker, rank). The
-    returned loader may be put in the state of ``lite.save``; after ``lite.load`` its next
+    shares go to the data-parallel ranks (``lite.current().data_parallel_rank`` of
+    ``data_parallel_size``): one per process, except under ``model_parallel``, where the
+    tensor-parallel ranks of one replica get the same batches (and the same worker seeds).
+    The returned loader may be put in the state of ``lite.save``; after ``lite.load`` its next
     pass continues the saved epoch with the first batch not yet seen.
 
     Raises:
@@ -203,6 +206,8 @@ def setup_dataloader(
     prepared = []
     for loader, start in zip(loaders, starts, strict=True):
         if shard:
-            loader = shard_loader(loader, run.global_rank, run.world_size, seed)
+            # over the data-parallel dimension: the tensor-parallel ranks of one replica
+            # (model_parallel) read the same batches
+            loader = shard_loader(loader, run.data_parallel_rank, run.data_parallel_size, seed)
         prepared.append(DeviceDataLoader(loader, run.device if move_to_device else None, feed, start))
     return prepared[0] if len(prepared) == 1 else tuple(prepared)

@@ -219,27 +219,36 @@ class ResumeCursor:
 
         A collective: every rank calls it (``lite.save`` does). A loaded entry whose pass has
         not begun yet is returned as it was loaded, so a run stopped again before its first
-        batch loses nothing.
+        batch loses nothing. One state per share of the data (per data-parallel rank): the
+        tensor-parallel ranks of a replica (``model_parallel``) read the same batches, and the
+        first of them speaks for all, so a checkpoint's shares are those the data was dealt
+        into, whatever the strategy.
         """
         if self._pending_entry is not None:
             return self._pending_entry
         local = self._local_state()
         run = current()
-        ranks = [map_tensors(broadcast(local, src=r), lambda t: t.cpu()) for r in range(run.world_size)]
-        return {"format": FORMAT, "world_size": run.world_size, "ranks": ranks}
+        by_share: dict[int, Any] = {}
+        for r in range(run.world_size):
+            share, state = broadcast((run.data_parallel_rank, local), src=r)
+            by_share.setdefault(int(share), map_tensors(state, lambda t: t.cpu()))
+        ranks = [by_share[share] for share in range(run.data_parallel_size)]
+        return {"format": FORMAT, "world_size": run.data_parallel_size, "ranks": ranks}
 
     def load(self, entry: Any, *, rank: int | None = None, world_size: int | None = None) -> None:
         """Continue from ``entry`` (what :meth:`state` returned, possibly on another number
         of ranks): the loader's next pass finishes the saved one, or starts the saved next
-        epoch. ``rank`` and ``world_size`` are the active run's unless given."""
+        epoch. ``rank`` and ``world_size`` are the active run's share of the data unless given
+        (its data-parallel rank and size: its global rank and world size but under
+        ``model_parallel``)."""
         if not (isinstance(entry, dict) and entry.get("format") == FORMAT):
             raise ValueError(
                 "The checkpoint entry for this loader is not a loader state written by "
                 "lite.save (a loader from lite.setup_dataloader saved under the same key)."
             )
         run = current()
-        rank = run.global_rank if rank is None else rank
-        world_size = run.world_size if world_size is None else world_size
+        rank = run.data_parallel_rank if rank is None else rank
+        world_size = run.data_parallel_size if world_size is None else world_size
         ranks: list[dict[str, Any]] = entry["ranks"]
         mine = ranks[rank] if rank < len(ranks) else None
         self._iterated_before = bool(ranks[0]["iterated"])

@@ -42,14 +42,14 @@ def refuse_unrebuildable(loader: DataLoader) -> None:  # type: ignore[type-arg]
             f"setup_dataloader rebuilds the loader around a distributed sampler and cannot "
             f"rebuild a {type(loader).__name__} (a DataLoader subclass) faithfully. Pass a "
             "plain torch.utils.data.DataLoader, or shard it yourself (e.g. with "
-            "lite.ShardedSampler(sampler, run.global_rank, run.world_size)) and call "
+            "lite.ShardedSampler(sampler, run.data_parallel_rank, run.data_parallel_size)) and call "
             "setup_dataloader(loader, use_distributed_sampler=False)."
         )
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError(
             "setup_dataloader cannot shard an IterableDataset: it has no indices to deal out, "
             "so every rank would read the whole stream. Make the dataset yield this rank's "
-            "share itself (lite.current().global_rank / world_size), then call "
+            "share itself (lite.current().data_parallel_rank of .data_parallel_size), then call "
             "setup_dataloader(loader, use_distributed_sampler=False)."
         )
 

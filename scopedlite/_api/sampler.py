@@ -49,7 +49,7 @@ def _length(sampler: Any, role: str) -> int:
             f"{role}={type(sampler).__name__} has no __len__, so setup_dataloader cannot share "
             "its order out across ranks without reading all of it first (an endless one "
             "would never finish). Give it a __len__, or shard it yourself (yield only this "
-            "rank's items, lite.current().global_rank of lite.current().world_size) and call "
+            "rank's items, lite.current().data_parallel_rank of .data_parallel_size) and call "
             "setup_dataloader(loader, use_distributed_sampler=False)."
         ) from e
 
@@ -71,8 +71,10 @@ def _check_takes_over(sampler: DistributedSampler, rank: int, world_size: int) -
         raise ValueError(
             f"The loader's DistributedSampler has num_replicas={sampler.num_replicas}, "
             f"rank={sampler.rank}, but this process is rank {rank} of {world_size}. Build it "
-            "with the defaults inside lite.launch (DistributedSampler(dataset)), or pass the "
-            "plain sampler and let setup_dataloader shard it."
+            "with the defaults inside lite.launch (DistributedSampler(dataset); under "
+            "model_parallel with num_replicas=lite.current().data_parallel_size, "
+            "rank=lite.current().data_parallel_rank), or pass the plain sampler and let "
+            "setup_dataloader shard it."
         )
 
 
@@ -151,8 +153,9 @@ class ShardedSampler(Sampler[int]):
 
     Args:
         sampler: The sampler to shard. It must have ``__len__``.
-        rank: This process's global rank.
-        world_size: The number of ranks.
+        rank: This process's share: its global rank, or under ``model_parallel`` its
+            data-parallel rank (``lite.current().data_parallel_rank`` is either).
+        world_size: The number of shares (``lite.current().data_parallel_size``).
         seed: The seed every rank agrees on; the epoch is added to it per pass. A
             ``DistributedSampler`` keeps its own ``seed``.
 

@@ -91,6 +91,22 @@ class Run(Placement):
         return cls(**values, strategy=strategy, launched=launched)
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this process reads (``setup_dataloader`` shards by it).
+
+        The global rank, except under a strategy that splits the world in more dimensions:
+        under ``model_parallel`` the tensor-parallel ranks of one replica share it, and read
+        the same batches.
+        """
+        return self.strategy.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into: the world size, except under a strategy
+        that splits the world in more dimensions (``model_parallel``: the number of replicas)."""
+        return self.strategy.data_parallel_size
+
+    @property
     def placement(self) -> Placement:
         """This run's placement alone (what its strategy was started with)."""
         return Placement(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Placement)})

@@ -60,6 +60,18 @@ class Strategy(ABC):
         """Where tensors must be to be communicated (gloo takes CPU tensors only)."""
         return self.placement.device
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this process reads: its global rank, unless the strategy
+        splits the world in more dimensions than data (``model_parallel``)."""
+        return self.placement.global_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into: the world size, unless the strategy
+        splits the world in more dimensions than data (``model_parallel``)."""
+        return self.placement.world_size
+
     def fresh(self) -> Strategy:
         """A copy of this configured strategy for one run (its state starts empty)."""
         return copy.copy(self)

@@ -13,6 +13,7 @@ from scopedlite._strategies.base import Strategy
 from scopedlite._strategies.ddp import DDPStrategy
 from scopedlite._strategies.deepspeed.strategy import DeepSpeedStrategy
 from scopedlite._strategies.fsdp.strategy import FSDPStrategy
+from scopedlite._strategies.model_parallel import ModelParallelStrategy
 from scopedlite._strategies.single import SingleDeviceStrategy
 from scopedlite._strategies.xla.strategy import XLASingleDeviceStrategy, XLAStrategy
 
@@ -36,6 +37,8 @@ STRATEGIES: dict[str, Entry] = {
     "ddp_fork": Entry(DDPStrategy, {"start_method": "fork"}),
     "ddp_notebook": Entry(DDPStrategy, {"start_method": "fork"}),
     "fsdp": Entry(FSDPStrategy),
+    # the plan is the user's: by name it runs until lite.setup, which asks for the instance
+    "model_parallel": Entry(ModelParallelStrategy),
     "deepspeed": Entry(DeepSpeedStrategy),
     "deepspeed_stage_1": Entry(DeepSpeedStrategy, {"stage": 1}),
     "deepspeed_stage_2": Entry(DeepSpeedStrategy, {"stage": 2}),

@@ -161,7 +161,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
         if precision == "16-mixed":
             raise ValueError(
-                "precision='16-mixed' with strategy='fsdp' is not supported: fp16 loss scaling "
+                f"precision='16-mixed' with strategy={self.name!r} is not supported: fp16 loss scaling "
                 "over sharded gradients is not implemented. Use precision='bf16-mixed'."
             )
 
@@ -198,12 +198,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         return MixedPrecisionPolicy()  # "-true" modes: parameters are already in their dtype
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            FSDPModule,
-            OffloadPolicy,
-            fully_shard,
-        )
+        from torch.distributed.fsdp import FSDPModule
 
         if isinstance(module, FSDPModule):
             raise TypeError(
@@ -217,6 +212,29 @@ class FSDPStrategy(ProcessGroupStrategy):
             self._broadcast_from_rank_zero(module)
         before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
         user_class = type(module)
+        module = self._shard(module)
+
+        if replay is not None:
+            module.to_empty(device=self.placement.device)
+            replay.run()
+        # The user's other methods gather the parameters as forward does, when they need them
+        # (methods.py), on the model and on each submodule that is its own FSDP unit; after the
+        # replay, whose twins copy the module's attributes. A user's plan (model_parallel) may
+        # leave the root as it is.
+        if isinstance(module, FSDPModule):
+            gather_for_user_methods(module, user_class, self._ledger)
+
+        after = dict(module.named_parameters(remove_duplicate=False))
+        self._replaced = {k: v for k, v in self._replaced.items() if v[0]() is not None and v[1]() is not None}
+        for name, old in before.items():
+            self._replaced[id(old)] = (weakref.ref(old), weakref.ref(after[name]))
+        self._modules.append(weakref.ref(module))
+        return module
+
+    def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Apply FSDP2 to ``module`` (plain or on the meta device) and return it: the one
+        step of :meth:`setup_module` that a strategy with the user's own plan replaces."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if self.checkpoint_classes:
             checkpoint_activations(module, self.checkpoint_classes)
@@ -229,20 +247,6 @@ class FSDPStrategy(ProcessGroupStrategy):
             if sub is not module and self._wraps(sub):
                 fully_shard(sub, **options)
         fully_shard(module, **options)
-
-        if replay is not None:
-            module.to_empty(device=self.placement.device)
-            replay.run()
-        # The user's other methods gather the parameters as forward does, when they need them
-        # (methods.py), on the model and on each submodule that is its own FSDP unit; after the
-        # replay, whose twins copy the module's attributes.
-        gather_for_user_methods(module, user_class, self._ledger)
-
-        after = dict(module.named_parameters(remove_duplicate=False))
-        self._replaced = {k: v for k, v in self._replaced.items() if v[0]() is not None and v[1]() is not None}
-        for name, old in before.items():
-            self._replaced[id(old)] = (weakref.ref(old), weakref.ref(after[name]))
-        self._modules.append(weakref.ref(module))
         return module
 
     def _wraps(self, module: torch.nn.Module) -> bool:
@@ -351,7 +355,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             if module is not None and wanted <= {id(p) for p in module.parameters()}:
                 return module
         raise ValueError(
-            "Under strategy='fsdp' an optimizer is saved and loaded together with the one model "
+            f"Under strategy={self.name!r} an optimizer is saved and loaded together with the one model "
             "it updates, but this optimizer's parameters are not all in one model set up with "
             "lite.setup. Use one optimizer per model."
         )

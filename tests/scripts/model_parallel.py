@@ -1,0 +1,142 @@
+"""2D parallelism on 4 real gloo ranks (data_parallel=2 x tensor_parallel=2), then the
+checkpoints loaded on another mesh shape (a second launch block: 1 x 2 on 2 ranks).
+
+The plan is the one written out in docs/strategies.md (executed from there). argv: a folder
+for the checkpoints. Rank 0 writes what the test compares with its one-process reference.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+from _common import write
+
+import scopedlite as lite
+from _model_parallel_common import BATCH, N_TRAIN, data, eval_data, make_net, probe, train
+
+folder = Path(sys.argv[1])
+docs = (Path(__file__).resolve().parents[2] / "docs" / "strategies.md").read_text()
+plan = next(b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if "def parallelize(" in b)
+namespace: dict = {}
+exec(plan, namespace)  # the docs' plan and strategy, as written there
+parallelize, strategy = namespace["parallelize"], namespace["strategy"]
+
+
+def full(model: torch.nn.Module) -> list[list[float]]:
+    """Every parameter whole (a collective). After a forward without backward FSDP keeps the
+    root's parameters gathered over the data-parallel dimension: some are plain tensors then."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).flatten().tolist() for p in model.parameters()]
+
+
+def outputs(model: torch.nn.Module) -> list[float]:
+    with torch.no_grad():
+        return model(probe()).flatten().tolist()
+
+
+def one_more_step(model, opt, share: int, shares: int) -> list[list[float]]:
+    """One step on the last global batch, this replica's rows of it."""
+    _, x, y = (t[N_TRAIN - 2 * BATCH :] for t in data())
+    lite.backward(torch.nn.functional.mse_loss(model(x[share::shares]), y[share::shares]))
+    opt.step()
+    opt.zero_grad()
+    return full(model)
+
+
+def loader_over(dataset) -> "torch.utils.data.DataLoader":
+    return lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=BATCH))
+
+
+out: dict = {}
+with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as run:
+    mine: dict = {}
+    strategy_here = run.strategy
+    mine["mesh"] = [list(strategy_here.mesh.mesh_dim_names), list(strategy_here.mesh.shape)]
+    mine["data_parallel"] = [run.data_parallel_rank, run.data_parallel_size]
+    mine["replica_ranks"] = list(strategy_here.replica_ranks)
+    # rank 0's seed is the one sharded_init replays; the others draw differently on purpose
+    lite.seed_everything(0 if run.global_rank == 0 else 7)
+    with lite.sharded_init():
+        model = make_net()
+    mine["meta"] = all(p.is_meta for p in model.parameters())
+    model, opt = lite.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    mine["rng_after_setup"] = torch.rand(1).item()
+    out["initial"] = full(model)
+    mine["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
+    mine["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()}
+    mine["opt_on_model"] = all(any(q is p for q in model.parameters()) for g in opt.param_groups for p in g["params"])
+
+    loader = loader_over(torch.utils.data.TensorDataset(*data()))
+    mine["train_rows"], norms = train(
+        model,
+        opt,
+        loader,
+        lite.backward,
+        lambda enabled: lite.no_backward_sync(model, enabled=enabled),
+        lambda **kw: lite.clip_gradients(model, opt, **kw),
+    )
+    mine["norms"] = {k: float(v) for k, v in norms.items()}
+    out["trained"] = full(model)
+
+    # no_grad evaluation: every sample once, over the replicas; collectives span the world
+    evaluation = loader_over(torch.utils.data.TensorDataset(*eval_data()))
+    mine["eval_rows"], total, count = [], torch.zeros(()), torch.zeros(())
+    with torch.no_grad():
+        for index, x, y in evaluation:
+            mine["eval_rows"] += index.tolist()
+            total += torch.nn.functional.mse_loss(model(x), y, reduction="sum")
+            count += len(index)
+    out["eval_mean"] = float(lite.all_reduce(total) / lite.all_reduce(count))  # sums over all 4 ranks
+
+    # checkpoints in the middle of a pass: the loader read one batch of its second pass
+    passing = iter(loader)
+    mine["taken_rows"] = next(passing)[0].tolist()
+    state = {"model": model, "opt": opt, "step": 4, "loader": loader}
+    out["at_save"], out["outputs_at_save"] = full(model), outputs(model)
+    lite.save(folder / "sharded", state)
+    strategy_here.state_dict_type = "full"  # the same state as one file, for the same checks
+    lite.save(folder / "full.pt", state)
+    strategy_here.state_dict_type = "sharded"
+    out["after_step"] = one_more_step(model, opt, run.data_parallel_rank, run.data_parallel_size)
+    for kind in ("sharded", "full.pt"):
+        state = {"model": model, "opt": opt, "step": 0}
+        lite.load(folder / kind, state)
+        mine[f"{kind}_exact"] = full(model) == out["at_save"] and outputs(model) == out["outputs_at_save"]
+        mine[f"{kind}_step"] = state["step"]
+        mine[f"{kind}_next_step_exact"] = one_more_step(model, opt, run.data_parallel_rank, run.data_parallel_size) == out["after_step"]
+
+    # refusals
+    try:
+        with lite.join(model):
+            pass
+    except RuntimeError as e:
+        mine["join_error"] = str(e)
+    strategy_here.parallelize = lambda m, mesh: m  # a plan that forgets fully_shard
+    try:
+        lite.setup(make_net())
+    except ValueError as e:
+        mine["unsynced_error"] = str(e)
+    strategy_here.parallelize = parallelize
+    out["ranks"] = lite.all_gather(torch.zeros(1)).shape[0]
+    out["per_rank"] = [lite.broadcast(mine, src=r) for r in range(run.world_size)]
+
+# another mesh shape: 1 x 2 on 2 ranks (a later block forks), one full file per save
+other = lite.ModelParallelStrategy(parallelize, data_parallel=1, state_dict_type="full")
+with lite.launch(strategy=other, devices=2, accelerator="cpu", timeout=90) as run:
+    mine = {"mesh": list(run.strategy.mesh.shape), "data_parallel": [run.data_parallel_rank, run.data_parallel_size]}
+    torch.manual_seed(123)  # other values: what the checkpoint holds must replace them
+    model = make_net()
+    model, opt = lite.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    loader = loader_over(torch.utils.data.TensorDataset(*data()))
+    for kind in ("sharded", "full.pt"):
+        state = {"model": model, "opt": opt, "step": 0, "loader": loader}
+        lite.load(folder / kind, state)
+        mine[f"{kind}_params"] = full(model)
+        mine[f"{kind}_outputs"] = outputs(model)
+        mine[f"{kind}_step"] = state["step"]
+        mine[f"{kind}_rest_of_pass"] = [row for batch in loader for row in batch[0].tolist()]
+        # the optimizer state came too: one more step on both replicas' rows at once
+        mine[f"{kind}_after_step"] = one_more_step(model, opt, 0, 1)
+    out["other_mesh"] = [lite.broadcast(mine, src=r) for r in range(run.world_size)]
+
+write(out)

@@ -1,0 +1,227 @@
+"""2D parallelism (tensor parallel x FSDP2, the user's plan) on 4 real gloo ranks.
+
+One script run (``tests/scripts/model_parallel.py``) covers every multi-process check: a
+data_parallel=2 x tensor_parallel=2 run with the plan of docs/strategies.md, then a second
+launch block on another mesh shape (1 x 2) that loads its checkpoints. This process replays
+the same recipe with plain torch on one process, over the same two shards, and compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import scopedlite as lite
+from scopedlite._strategies.abilities import SupportsJoin, SupportsNoBackwardSync
+from scopedlite._strategies.model_parallel import mesh_shape
+from scopedlite._strategies.registry import names_supporting
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from _model_parallel_common import (  # noqa: E402
+    BATCH,
+    CLIP_NORM,
+    N_EVAL,
+    N_TRAIN,
+    data,
+    eval_data,
+    make_net,
+    probe,
+    train,
+)
+
+
+def _flat(model: torch.nn.Module) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def _last_global_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    _, x, y = (t[N_TRAIN - 2 * BATCH :] for t in data())
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _reference() -> tuple[torch.nn.Module, list[int], dict[str, float], float]:
+    """One process: each step's batch is both replicas' batches together (replica d reads rows
+    d, d + 2, ... in batches of BATCH), so the mean loss is the mean of the two replicas'."""
+    torch.manual_seed(0)
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    index, x, y = data()
+    shares = [list(range(N_TRAIN))[d::2] for d in range(2)]
+    steps = []
+    for b in range(len(shares[0]) // BATCH):
+        rows = [r for share in shares for r in share[b * BATCH : (b + 1) * BATCH]]
+        steps.append((index[rows], x[rows], y[rows]))
+
+    def clip(max_norm=None, clip_val=None, norm_type=2.0):  # noqa: ANN001, ANN202
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_val)
+            return None
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+
+    rows, norms = train(model, opt, steps, lambda loss: loss.backward(), lambda _: contextlib.nullcontext(), clip)
+    _, ex, ey = eval_data()
+    with torch.no_grad():
+        eval_mean = float(((model(ex) - ey) ** 2).sum() / N_EVAL)
+    return model, rows, {k: float(v) for k, v in norms.items()}, eval_mean
+
+
+@pytest.mark.timeout(150)
+def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(script, tmp_path):
+    result = script("model_parallel", tmp_path, timeout=140)
+    assert result.returncode == 0, result.explain()
+    out = result.json()
+    ranks = out["per_rank"]
+    assert len(ranks) == 4 and out["ranks"] == 4  # all_gather spans the whole world
+
+    # the mesh built at launch; rank r is replica r // 2
+    for r, mine in enumerate(ranks):
+        assert mine["mesh"] == [["data_parallel", "tensor_parallel"], [2, 2]]
+        assert mine["data_parallel"] == [r // 2, 2]
+        assert mine["replica_ranks"] == [2 * (r // 2), 2 * (r // 2) + 1]
+
+    # sharded_init: built on the meta device, every slice filled with a plain build's values
+    torch.manual_seed(0)
+    plain = make_net()
+    assert all(mine["meta"] for mine in ranks)
+    assert out["initial"] == _flat(plain)  # exactly
+    assert ranks[0]["rng_after_setup"] == torch.rand(1).item()  # the generator moved on as after a plain build
+    # the plan as written: tensor-parallel layers on the 2D mesh, the LayerNorm on data parallel only
+    assert ranks[0]["placements"]["2.weight"] == ["S(0)", "S(1)"]
+    assert ranks[0]["placements"]["0.weight"][1] == "S(0)"
+    assert ranks[0]["placements"]["3.weight"] == ["S(0)"]
+    total = sum(p.numel() for p in plain.parameters())
+    assert all(mine["local_numel"] <= 0.27 * total for mine in ranks)  # about a quarter each
+    assert all(mine["opt_on_model"] for mine in ranks)
+
+    # the loader shards over data parallel only: a replica's two ranks read the same rows
+    for key, n in (("train_rows", N_TRAIN), ("eval_rows", N_EVAL)):
+        assert ranks[0][key] == ranks[1][key] and ranks[2][key] == ranks[3][key]
+        assert sorted(ranks[0][key] + ranks[2][key]) == list(range(n))  # every sample once
+
+    # training (plain steps, clipping by value, accumulation with no_backward_sync, clipping
+    # by norm) and no_grad evaluation match the one-process reference over the same two shards
+    model, rows, norms, eval_mean = _reference()
+    assert sorted(rows) == list(range(N_TRAIN))
+    assert _max_diff(out["trained"], _flat(model)) < 1e-5
+    for mine in ranks:
+        assert mine["norms"]["2"] == pytest.approx(norms["2"], rel=1e-5)
+        assert mine["norms"]["inf"] == pytest.approx(norms["inf"], rel=1e-5)
+    assert norms["2"] > CLIP_NORM  # clipping by norm really happened
+    assert out["eval_mean"] == pytest.approx(eval_mean, rel=1e-5)
+
+    # checkpoint round trips on the same mesh are exact: values, outputs, the next step (AdamW state)
+    for kind in ("sharded", "full.pt"):
+        for mine in ranks:
+            assert mine[f"{kind}_exact"] and mine[f"{kind}_next_step_exact"] and mine[f"{kind}_step"] == 4
+    assert out["after_step"] != out["at_save"]
+
+    # ... and onto another mesh shape (1 x 2 on 2 processes): the same values, the same
+    # outputs and next step (up to the order of the sums), the rest of the loader's pass
+    taken = ranks[0]["taken_rows"] + ranks[2]["taken_rows"]
+    assert ranks[1]["taken_rows"] == ranks[0]["taken_rows"] and len(set(taken)) == 2 * BATCH
+    for mine in out["other_mesh"]:
+        assert mine["mesh"] == [1, 2] and mine["data_parallel"] == [0, 1]
+        for kind in ("sharded", "full.pt"):
+            assert mine[f"{kind}_params"] == out["at_save"]
+            assert mine[f"{kind}_step"] == 4
+            assert mine[f"{kind}_outputs"] == pytest.approx(out["outputs_at_save"], abs=1e-6)
+            assert _max_diff(mine[f"{kind}_after_step"], out["after_step"]) < 1e-6
+            assert sorted(mine[f"{kind}_rest_of_pass"] + taken) == list(range(N_TRAIN))
+
+    # ... and in one process, without processes: the full file as it is, the folder consolidated
+    single = tmp_path / "consolidated.pt"
+    lite.consolidate_checkpoint(tmp_path / "sharded", single)
+    for path in (tmp_path / "full.pt", single):
+        torch.manual_seed(5)
+        model = make_net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = {"model": model, "opt": opt, "step": 0}
+        lite.load(path, state)
+        assert _flat(model) == out["at_save"] and state["step"] == 4
+        with torch.no_grad():
+            assert model(probe()).flatten().tolist() == pytest.approx(out["outputs_at_save"], abs=1e-6)
+        _last_global_step(model, opt)
+        assert _max_diff(_flat(model), out["after_step"]) < 1e-6
+
+    # refusals: join (not built yet, naming who has it), a plan that leaves the replicas apart
+    error = ranks[0]["join_error"]
+    assert "strategy='model_parallel'" in error and "'fsdp'" in error and "'model_parallel'," not in error
+    assert "fully_shard(model, mesh=mesh['data_parallel'])" in ranks[0]["unsynced_error"]
+    assert "'0.weight'" in ranks[0]["unsynced_error"]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "world", "per_node", "shape"),
+    [
+        (("auto", "auto"), 4, 4, (1, 4)),  # as Fabric: tensor parallel within a node
+        (("auto", "auto"), 8, 4, (2, 4)),  # ... data parallel across nodes
+        ((2, "auto"), 4, 4, (2, 2)),  # one given: the other is the rest of the world
+        (("auto", 2), 8, 8, (4, 2)),
+        ((2, 2), 4, 4, (2, 2)),
+    ],
+)
+def test_mesh_sizes(sizes, world, per_node, shape):
+    assert mesh_shape(*sizes, world, per_node) == shape
+
+
+@pytest.mark.parametrize(
+    ("sizes", "world", "words"),
+    [
+        ((3, 2), 4, ["data_parallel=3, tensor_parallel=2", "4 processes", "multiply to 4"]),
+        ((3, "auto"), 4, ["data_parallel=3, tensor_parallel='auto'", "multiply to 4", "data_parallel=2"]),
+        (("auto", 3), 8, ["data_parallel='auto', tensor_parallel=3", "multiply to 8"]),
+    ],
+)
+def test_sizes_that_do_not_fit_the_world_are_refused_before_anything_starts(sizes, world, words):
+    machine = lite.Machine(cpu_count=2, has_script=True)
+    strategy = lite.ModelParallelStrategy(lambda model, mesh: model, *sizes)
+    with pytest.raises(ValueError) as info:
+        lite.resolve(strategy=strategy, devices=world, accelerator="cpu", env={}, machine=machine)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_bad_options_and_the_name_without_a_plan():
+    for bad in (0, -1, True, "two", 1.5):
+        with pytest.raises(ValueError, match="pass a positive number of processes or 'auto'"):
+            lite.ModelParallelStrategy(lambda model, mesh: model, data_parallel=bad)
+    with pytest.raises(TypeError, match=r"parallelize\(model, mesh\) -> model"):
+        lite.ModelParallelStrategy("colwise")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="state_dict_type='local'"):
+        lite.ModelParallelStrategy(state_dict_type="local")
+
+    machine = lite.Machine(cpu_count=2, has_script=True)
+    plan = lite.resolve(strategy="model_parallel", devices=4, accelerator="cpu", env={}, machine=machine)
+    assert isinstance(plan.strategy, lite.ModelParallelStrategy) and plan.strategy.parallelize is None
+    with pytest.raises(RuntimeError, match=r"lite\.ModelParallelStrategy\(parallelize\)"):
+        plan.strategy.setup_module(torch.nn.Linear(2, 2))
+    assert "model_parallel" not in names_supporting(SupportsJoin)
+    assert "model_parallel" in names_supporting(SupportsNoBackwardSync)
+
+
+def test_the_command_line_name_agrees_with_an_instance_of_its_own_kind_only():
+    machine = lite.Machine(cpu_count=2, has_script=True)
+    env = {"SCOPEDLITE_CLI_STRATEGY": "model_parallel", "SCOPEDLITE_CLI_DEVICES": "4"}
+    instance = lite.ModelParallelStrategy(lambda model, mesh: model, data_parallel=2)
+    plan = lite.resolve(strategy=instance, accelerator="cpu", env=env, machine=machine)
+    assert plan.strategy.data_parallel == 2 and plan.world_size == 4  # the script's instance, with its plan
+    with pytest.raises(ValueError, match="--strategy fsdp"):  # an FSDPStrategy subclass, yet not fsdp
+        lite.resolve(strategy=instance, accelerator="cpu", env={**env, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}, machine=machine)
+    plan = lite.resolve(strategy=lite.FSDPStrategy(), accelerator="cpu", env={**env, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}, machine=machine)
+    assert plan.strategy.name == "fsdp"
+
+
+def test_one_process_is_its_own_single_share():
+    run = lite.current()
+    assert (run.data_parallel_rank, run.data_parallel_size) == (0, 1)
