@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
+from scopedlite._cluster.environments import EXISTING_GROUP
 from scopedlite._core.structures import map_tensors
 from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
@@ -186,7 +187,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         # that it did on every rank: that print (main thread, Python-level) is dropped.
         with contextlib.redirect_stdout(Discard()):
             self.deepspeed.init_distributed(dist_backend=self._backend, timeout=placement.timeout)
-        self._deepspeed_comm = True
+        # A group made before launch (Ray Train, the script) outlives the run: DeepSpeed's view
+        # of it stays true, and tearing it down through DeepSpeed would destroy it.
+        self._deepspeed_comm = world.source != EXISTING_GROUP
 
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
