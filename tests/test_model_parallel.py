@@ -1,8 +1,9 @@
 """2D parallelism (tensor parallel x FSDP2, the user's plan) on 4 real gloo ranks.
 
 One script run (``tests/scripts/model_parallel.py``) covers every multi-process check: a
-data_parallel=2 x tensor_parallel=2 run with the plan of docs/strategies.md, then a second
-launch block on another mesh shape (1 x 2) that loads its checkpoints. This process replays
+data_parallel=2 x tensor_parallel=2 run with the plan of docs/strategies.md (training,
+evaluation, checkpoints, ``lite.join`` over uneven data-parallel shards), then a second launch
+block on another mesh shape (1 x 2) that loads its checkpoints. This process replays
 the same recipe with plain torch on one process, over the same two shards, and compares.
 """
 
@@ -24,10 +25,16 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from _model_parallel_common import (  # noqa: E402
     BATCH,
     CLIP_NORM,
+    JOIN_CLIP,
+    JOIN_EMPTY_SHARES,
+    JOIN_SEED,
+    JOIN_SHARES,
     N_EVAL,
+    N_JOIN_EVAL,
     N_TRAIN,
     data,
     eval_data,
+    join_eval_data,
     make_net,
     probe,
     train,
@@ -74,6 +81,46 @@ def _reference() -> tuple[torch.nn.Module, list[int], dict[str, float], float]:
     with torch.no_grad():
         eval_mean = float(((model(ex) - ey) ** 2).sum() / N_EVAL)
     return model, rows, {k: float(v) for k, v in norms.items()}, eval_mean
+
+
+def _joined_reference(divisors: tuple[str, str] = ("initial", "running")) -> dict[str, object]:
+    """One process, plain torch: the three join blocks of the script over the same shards.
+
+    At step s the replicas that still have a batch contribute the gradient of their mean
+    loss; the sum is divided by both replicas (``divide_by_initial_world_size=True``) or by
+    the running ones (False). The first block clips by norm, all step AdamW. The third is one
+    step on replica 0's two accumulated batches (replica 1 has none), divided by 2.
+    """
+    torch.manual_seed(JOIN_SEED)
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _, x, y = data()
+    batches = [[share[b * BATCH : (b + 1) * BATCH] for b in range(len(share) // BATCH)] for share in JOIN_SHARES]
+    blocks = []
+    for divisor in divisors:
+        losses, norms = [], []
+        for step in range(max(map(len, batches))):
+            running = [d for d in range(2) if step < len(batches[d])]
+            per_replica = [torch.nn.functional.mse_loss(model(x[batches[d][step]]), y[batches[d][step]]) for d in running]
+            losses.append(float(sum(per_replica).detach()) / len(running))
+            (sum(per_replica) / (2 if divisor == "initial" else len(running))).backward()
+            if len(blocks) == 0:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), JOIN_CLIP)))
+            opt.step()
+            opt.zero_grad()
+        blocks.append({"losses": losses, "norms": norms, "params": _flat(model)})
+    # a replica with no data: one step on replica 0's two accumulated batches, divided by 2
+    share = JOIN_EMPTY_SHARES[0]
+    for b in range(len(share) // BATCH):
+        rows = share[b * BATCH : (b + 1) * BATCH]
+        (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / 2).backward()
+    opt.step()
+    opt.zero_grad()
+    blocks.append({"params": _flat(model)})
+    _, ex, ey = join_eval_data()
+    with torch.no_grad():
+        eval_mean = float(((model(ex) - ey) ** 2).sum() / N_JOIN_EVAL)
+    return {"blocks": blocks, "eval_mean": eval_mean}
 
 
 @pytest.mark.timeout(150)
@@ -154,9 +201,40 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
         _last_global_step(model, opt)
         assert _max_diff(_flat(model), out["after_step"]) < 1e-6
 
-    # refusals: join (not built yet, naming who has it), a plan that leaves the replicas apart
-    error = ranks[0]["join_error"]
-    assert "strategy='model_parallel'" in error and "'fsdp'" in error and "'model_parallel'," not in error
+    # lite.join over uneven data-parallel shards (5 and 3 batches): every rank ends with the
+    # parameters of one process that trains on the same two shards, under both divisors;
+    # the lite collective in the loop covers the running replicas, the one after it all
+    reference = _joined_reference()
+    for r, mine in enumerate(ranks):
+        for block, expected, divide in zip(mine["join"][:2], reference["blocks"][:2], (True, False)):
+            assert block["rows"] == JOIN_SHARES[r // 2], (r, divide)  # 20 or 12 rows, each once
+            assert block["seen"] == 2 * N_TRAIN  # every process of both replicas counted its rows
+            assert block["losses"] == pytest.approx(expected["losses"][: len(block["losses"])], rel=1e-5)
+            assert block["norms"] == pytest.approx(expected["norms"][: len(block["norms"])], rel=1e-5)
+            assert _max_diff(block["params"], expected["params"]) < 1e-5, (r, divide)
+    for r, mine in enumerate(ranks):  # a replica with no data, replica 0 in an accumulation window
+        block, expected = mine["join"][2], reference["blocks"][2]
+        assert block["rows"] == JOIN_EMPTY_SHARES[r // 2] and block["seen"] == 2 * len(JOIN_EMPTY_SHARES[0])
+        assert _max_diff(block["params"], expected["params"]) < 1e-5, r
+        assert _max_diff(block["params"], mine["join"][1]["params"]) > 1e-3  # it did train
+    assert len(ranks[0]["join"][0]["losses"]) == 5 and len(ranks[2]["join"][0]["losses"]) == 3
+    assert min(reference["blocks"][0]["norms"]) > JOIN_CLIP  # clipping by norm really happened
+    # ... and the test can fail: the other divisor in the second block is far off
+    wrong = _joined_reference(("initial", "initial"))
+    assert _max_diff(ranks[0]["join"][1]["params"], wrong["blocks"][1]["params"]) > 1e-3
+
+    # no_grad evaluation inside join sees every sample once (5 rows and 4 rows: 2 and 1 batches)
+    for r, mine in enumerate(ranks):
+        assert mine["join_eval"]["rows"] == list(range(N_JOIN_EVAL))[r // 2 :: 2]
+        sse, count = mine["join_eval"]["totals"]  # summed over all 4 processes: each sample twice
+        assert count == 2 * N_JOIN_EVAL
+        assert sse / count == pytest.approx(reference["eval_mean"], rel=1e-5)
+
+    # refusals: a replica whose ranks are not in step (on every rank, at once: nobody hangs),
+    # a plan that leaves the replicas apart
+    for mine in ranks:
+        assert "data-parallel replica 1 (ranks 2, 3) are not in step" in mine["split_error"], mine["split_error"]
+        assert "rank 2: left the block; rank 3: a forward of model 0" in mine["split_error"]
     assert "fully_shard(model, mesh=mesh['data_parallel'])" in ranks[0]["unsynced_error"]
     assert "'0.weight'" in ranks[0]["unsynced_error"]
 
@@ -206,7 +284,7 @@ def test_bad_options_and_the_name_without_a_plan():
     assert isinstance(plan.strategy, lite.ModelParallelStrategy) and plan.strategy.parallelize is None
     with pytest.raises(RuntimeError, match=r"lite\.ModelParallelStrategy\(parallelize\)"):
         plan.strategy.setup_module(torch.nn.Linear(2, 2))
-    assert "model_parallel" not in names_supporting(SupportsJoin)
+    assert "model_parallel" in names_supporting(SupportsJoin)
     assert "model_parallel" in names_supporting(SupportsNoBackwardSync)
 
 
@@ -225,3 +303,21 @@ def test_the_command_line_name_agrees_with_an_instance_of_its_own_kind_only():
 def test_one_process_is_its_own_single_share():
     run = lite.current()
     assert (run.data_parallel_rank, run.data_parallel_size) == (0, 1)
+
+
+def test_a_replica_runs_waits_and_leaves_as_one():
+    """lite.join's verdict on a round: the ranks of one data-parallel replica (here ranks 0-1
+    and 2-3) must be in the same state, announcing the same step, or every rank refuses."""
+    from scopedlite._strategies.join_message import Kind, Opener, Round
+
+    replicas = (0, 0, 1, 1)
+    forward, left = Opener(Kind.FORWARD).encode(), Opener(Kind.LEFT).encode()
+    assert Round([forward, forward, left, left]).replica_problem(replicas) is None  # replica 1 serves
+    assert Round([forward] * 4).replica_problem(replicas) is None
+    assert Round([left, forward, left, left]).replica_problem((0, 1, 2, 3)) is None  # one rank, one replica
+    split = Round([forward, forward, left, forward]).replica_problem(replicas)
+    assert "replica 1 (ranks 2, 3) are not in step (rank 2: left the block; rank 3: a forward of model 0)" in split
+    passes = [Opener(Kind.PASS, length=n).encode() for n in (5, 5, 3, 2)]  # the lengths agreed at a pass
+    assert "rank 2: a new pass over a loader at site #0 of 3 batches; rank 3: a new pass" in Round(passes).replica_problem(replicas)
+    waiting = [forward, forward, Opener(Kind.COLLECTIVE, ended=1).encode(), forward]  # rank 2 ahead of rank 3
+    assert "rank 2: waits at a lite collective" in Round(waiting).replica_problem(replicas)

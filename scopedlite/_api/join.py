@@ -60,7 +60,8 @@ class _JoinScope(WrapperScope[None]):
 def join(*joinables: Any, divide_by_initial_world_size: bool = True) -> _JoinScope:
     """Let ranks iterate over different numbers of batches: ``with lite.join(model):``.
 
-    Under ``ddp``, ``fsdp`` and ``deepspeed`` (stages 1-3) a rank that has run out of data
+    Under ``ddp``, ``fsdp``, ``deepspeed`` (stages 1-3) and ``model_parallel`` (per replica:
+    its tensor-parallel ranks run out together) a rank that has run out of data
     keeps taking part in the collectives of the ranks still active - it replays their
     forwards and backwards with zero weight and mirrors their optimizer and scheduler steps -
     so training stays correct and every rank ends with the same parameters. ``lite.all_reduce``
@@ -76,7 +77,8 @@ def join(*joinables: Any, divide_by_initial_world_size: bool = True) -> _JoinSco
         *joinables: Models returned by ``lite.setup`` (all models set up in the run when none
             are given).
         divide_by_initial_world_size: Average gradients over all ranks (True: joined ranks
-            count as contributing zero) or over the ranks still active (False).
+            count as contributing zero) or over the ranks still active (False); under
+            ``model_parallel``, over the data-parallel replicas.
     """
     return _JoinScope(joinables, divide_by_initial_world_size)
 

@@ -140,8 +140,8 @@ class Opener:
         h = self.header
         return (h.collective, h.src) if h.collective == _BROADCAST else (h.collective, h.op, h.dtype, h.shape)
 
-    def with_events(self, events: tuple[Event, ...], reports: bool, ended: int) -> Opener:
-        return dataclasses.replace(self, events=events, reports=reports, ended=ended)
+    def with_events(self, events: tuple[Event, ...], reports: bool, ended: int, needs: int = 0) -> Opener:
+        return dataclasses.replace(self, events=events, reports=reports, ended=ended, needs=needs)
 
     def describe(self) -> str:
         if self.kind == Kind.FORWARD:
@@ -224,6 +224,45 @@ class Round:
                     "anything else after the `with lite.join(...)` block."
                 )
         return None
+
+    def replica_problem(self, replicas: tuple[int, ...]) -> str | None:
+        """Why the ranks of one data-parallel replica (``replicas[r]``: rank ``r``'s) are not
+        in step, or None.
+
+        Under ``model_parallel`` the tensor-parallel ranks of a replica compute one model
+        together: they read the same batches, so they run, wait and leave together, announcing
+        the same things. One of them serving while another computes would pair its replay's
+        collectives with the other's own.
+        """
+        seen: dict[int, tuple[int, tuple[object, ...]]] = {}
+        for r, replica in enumerate(replicas):
+            mine = self._state(r)
+            first = seen.setdefault(replica, (r, mine))
+            if mine != first[1]:
+                ranks = [q for q, p in enumerate(replicas) if p == replica]
+                described = "; ".join(f"rank {q}: {self._doing(q)}" for q in ranks)
+                return (
+                    f"Inside lite.join the ranks of data-parallel replica {replica} (ranks "
+                    f"{', '.join(map(str, ranks))}) are not in step ({described}). The "
+                    "tensor-parallel ranks of a replica compute one model together: they must "
+                    "read the same batches and run the same steps, so that they run out of data "
+                    "together. Iterate over a loader from lite.setup_dataloader (it gives them "
+                    "the same batches), with the same code on each."
+                )
+        return None
+
+    def _state(self, rank: int) -> tuple[object, ...]:
+        opener = self.openers[rank]
+        if opener.kind == Kind.LEFT:
+            return (Kind.LEFT,)
+        return (rank in self.runners, opener.step_key(), opener.length)
+
+    def _doing(self, rank: int) -> str:
+        opener = self.openers[rank]
+        if opener.kind == Kind.LEFT:
+            return "left the block"
+        what = opener.describe() + (f" of {opener.length} batches" if opener.kind == Kind.PASS and opener.length >= 0 else "")
+        return what if rank in self.runners else f"waits at {what}"
 
     def events_problem(self) -> str | None:
         """Why the events reported in this round do not fit together, or None.

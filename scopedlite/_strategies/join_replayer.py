@@ -63,11 +63,12 @@ class Replayer(Protocol):
         ...
 
     def output_scale(self, count: int) -> float:
-        """The factor on the running ranks' output gradients when ``count`` ranks run."""
+        """The factor on the running ranks' output gradients when ``count`` replicas run
+        (a replica is one rank, except under ``model_parallel``)."""
         ...
 
     def active_count(self, count: int) -> None:
-        """The number of running ranks is now ``count``."""
+        """The number of running replicas is now ``count``."""
         ...
 
     def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:

@@ -12,7 +12,10 @@ the checkpoints (a ``torch.distributed.checkpoint`` folder or one full file), so
 written here is read wherever an FSDP one is, and on any other mesh shape. What differs: the
 loaders shard over the data-parallel dimension only (the tensor-parallel ranks of one replica
 read the same batches), the gradient norm is combined over the meshes the parameters live on,
-and ``lite.join`` is not available yet.
+and ``lite.join`` counts replicas, not processes: the tensor-parallel ranks of a replica run out
+of data together, and a replica that has run out replays the others' steps with all its ranks
+at once (its tensor-parallel collectives among themselves, FSDP's over the data-parallel
+dimension with the replicas still running).
 """
 
 from __future__ import annotations
@@ -100,9 +103,6 @@ class ModelParallelStrategy(FSDPStrategy):
     """
 
     name: ClassVar[str] = "model_parallel"
-    # lite.join is not available yet: declared absent (a protocol method set to None is
-    # not implemented), so lite.join refuses and lists the strategies that have it.
-    join = None  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -178,6 +178,14 @@ class ModelParallelStrategy(FSDPStrategy):
     def replica_ranks(self) -> tuple[int, ...]:
         """The global ranks forming this process's replica (its tensor-parallel group)."""
         return tuple(int(r) for r in self.mesh[TENSOR_PARALLEL].mesh.tolist())
+
+    def join_replicas(self) -> tuple[int, ...]:
+        """``lite.join``'s unit: the replica (the mesh's row) of each global rank."""
+        replicas = [0] * self.placement.world_size
+        for replica, ranks in enumerate(self.mesh.mesh.tolist()):
+            for rank in ranks:
+                replicas[rank] = replica
+        return tuple(replicas)
 
     # -- the plan ---------------------------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:

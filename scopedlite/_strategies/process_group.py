@@ -125,7 +125,7 @@ class ProcessGroupStrategy(Strategy):
         chosen = tuple(joinables) or tuple(models)
         optimizers = self.join_optimizers(chosen)
         replayer = self.join_replayer(chosen, optimizers, divide_by_initial_world_size)
-        return ReplaySession(self, replayer, chosen, optimizers, self._openers_group())
+        return ReplaySession(self, replayer, chosen, optimizers, self._openers_group(), self.join_replicas())
 
     def join_models(self) -> list[torch.nn.Module]:
         """The models set up in this run and still referenced, in setup order."""
@@ -138,6 +138,12 @@ class ProcessGroupStrategy(Strategy):
     def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> Replayer:
         """This backend's hooks and replays (checks what it cannot replay first)."""
         raise NotImplementedError
+
+    def join_replicas(self) -> tuple[int, ...]:
+        """The data-parallel replica of each rank (``[r]``: rank ``r``'s): the ranks of one
+        replica read the same batches and run out of data together. Each rank is a replica
+        of its own, unless the strategy splits a replica over several (``model_parallel``)."""
+        return tuple(range(self.placement.world_size))
 
     @staticmethod
     def optimizers_of(models: tuple[torch.nn.Module, ...], optimizers: list[Any]) -> tuple[torch.optim.Optimizer, ...]:

@@ -29,6 +29,11 @@ batches (one round); if they are known, no round is opened until the shortest ra
 to run out (never, when all are equal). Loaders of unknown length, loops over anything else,
 and what comes after the first rank ran out use the rounds.
 
+**Replicas.** Under ``model_parallel`` the tensor-parallel ranks of a data-parallel replica
+read the same batches: they run, wait and leave together (each round checks it), replay
+together (their tensor-parallel collectives pair among themselves), and the running count
+the gradient divisors use is one of replicas. Everywhere else a replica is one rank.
+
 **Collectives matched by where they are called.** A lite collective carries its call site.
 A rank that finished its pass over the loader and reaches a collective the others have not
 reached *waits* there: it serves their rounds until they reach the same line (a collective
@@ -126,6 +131,7 @@ class ReplaySession:
         models: tuple[torch.nn.Module, ...],
         optimizers: tuple[torch.optim.Optimizer, ...],
         group: Any,
+        replicas: tuple[int, ...] | None = None,
     ) -> None:
         self.strategy = strategy
         self.replayer = replayer
@@ -140,7 +146,12 @@ class ReplaySession:
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
         self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
-        self.count = self.world_size
+        # The data-parallel replica of each rank: under model_parallel the tensor-parallel ranks
+        # of a replica read the same batches, so they run, wait and leave together, and the
+        # gradients are averaged over replicas; elsewhere each rank is one.
+        self.replicas = replicas if replicas is not None else tuple(range(self.world_size))
+        self.count = len(set(self.replicas))  # running replicas
+        self._refused = False  # a round's verdict raised on every rank at once
         self.ended = 0  # passes of set-up loaders this rank finished inside the block
         self.forwards = 0  # forwards so far: the same count on every rank
         self.inputs: dict[int, tuple[Any, Any]] = {}  # model index -> last (args, kwargs)
@@ -165,7 +176,7 @@ class ReplaySession:
         try:
             if exc_type is None:
                 self._leave()
-            elif self.rounds and isinstance(exc, Exception) and not isinstance(exc, PeerLeftJoinError):
+            elif self.rounds and isinstance(exc, Exception) and not isinstance(exc, PeerLeftJoinError) and not self._refused:
                 self._abort_round()
         finally:
             self.inputs.clear()
@@ -224,18 +235,23 @@ class ReplaySession:
         if round_.aborted:
             raise PeerLeftJoinError(PEER_LEFT)
         problem = round_.disagreement() if not round_.over else None
-        problem = problem or round_.events_problem()
-        if problem is not None:
-            raise RuntimeError(problem)
+        self._refuse(problem or round_.replica_problem(self.replicas) or round_.events_problem())
         for event in round_.events_to_apply(self.rank):
             self.events.apply(event, self.rank)
         if round_.over:
             return round_
-        self._set_count(len(round_.runners))
+        self._set_count(len({self.replicas[r] for r in round_.runners}))
         if not self._recording_started and round_.step.kind != Kind.PASS:
             self._recording_started = True  # a rank may serve from here: record (once per block)
             self.events.start()
         return round_
+
+    def _refuse(self, problem: str | None) -> None:
+        """Raise the verdict every rank reads from the same round, on every rank at once:
+        no rank waits for another's abort round."""
+        if problem is not None:
+            self._refused = True
+            raise RuntimeError(problem)
 
     def _announce(self, opener: Opener) -> Round:
         """Run a round as a running rank; wait (serving) while it is ahead of the others."""
@@ -245,7 +261,8 @@ class ReplaySession:
         try:
             while True:
                 events = self.events.take(MAX_EVENTS) if reports else ()
-                round_ = self._round(opener.with_events(events, reports, self.ended))
+                # needs: a rank that waits here with no batch yet replays from an example
+                round_ = self._round(opener.with_events(events, reports, self.ended, self._needs()))
                 if self.rank in round_.runners:
                     return round_
                 self.serving = True  # ahead of the others: serve them until they get here
@@ -290,9 +307,7 @@ class ReplaySession:
 
     def _free_round(self, opener: Opener) -> Round:
         round_ = self._exchange(opener.with_events((), True, self.ended))
-        problem = round_.disagreement()
-        if problem is not None:
-            raise RuntimeError(problem)
+        self._refuse(round_.disagreement() or round_.replica_problem(self.replicas))
         return round_
 
     # -- running ranks: hooks -----------------------------------------------------------------------

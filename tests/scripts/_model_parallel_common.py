@@ -12,6 +12,13 @@ BATCH = 4  # per replica: 2 replicas read 8 rows a step
 N_TRAIN = 2 * 4 * BATCH  # 4 steps: 2 plain, then one window of 2 accumulated micro-batches
 N_EVAL = 12
 CLIP_VALUE, CLIP_NORM = 0.01, 0.05
+# lite.join over uneven data-parallel shards: replica 0 reads 5 batches of the training rows,
+# replica 1 the 3 after them; a plain loader each (use_distributed_sampler=False).
+JOIN_SHARES = (list(range(0, 5 * BATCH)), list(range(5 * BATCH, 8 * BATCH)))
+JOIN_SEED, JOIN_CLIP = 3, 0.5
+# then a replica with no data: replica 0 accumulates 2 batches into one step, replica 1 reads none
+JOIN_EMPTY_SHARES = (list(range(0, 2 * BATCH)), [])
+N_JOIN_EVAL = 9  # sharded by the sampler inside join: 5 rows (2 batches) and 4 rows (1 batch)
 
 
 def make_net() -> torch.nn.Module:
@@ -36,6 +43,10 @@ def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def eval_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _rows(N_EVAL, 2)
+
+
+def join_eval_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rows(N_JOIN_EVAL, 4)
 
 
 def probe() -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""2D parallelism on 4 real gloo ranks (data_parallel=2 x tensor_parallel=2), then the
-checkpoints loaded on another mesh shape (a second launch block: 1 x 2 on 2 ranks).
+"""2D parallelism on 4 real gloo ranks (data_parallel=2 x tensor_parallel=2) - training,
+evaluation, checkpoints, lite.join over uneven data-parallel shards - then the checkpoints
+loaded on another mesh shape (a second launch block: 1 x 2 on 2 ranks).
 
 The plan is the one written out in docs/strategies.md (executed from there). argv: a folder
 for the checkpoints. Rank 0 writes what the test compares with its one-process reference.
@@ -13,7 +14,20 @@ import torch
 from _common import write
 
 import scopedlite as lite
-from _model_parallel_common import BATCH, N_TRAIN, data, eval_data, make_net, probe, train
+from _model_parallel_common import (
+    BATCH,
+    JOIN_CLIP,
+    JOIN_EMPTY_SHARES,
+    JOIN_SEED,
+    JOIN_SHARES,
+    N_TRAIN,
+    data,
+    eval_data,
+    join_eval_data,
+    make_net,
+    probe,
+    train,
+)
 
 folder = Path(sys.argv[1])
 docs = (Path(__file__).resolve().parents[2] / "docs" / "strategies.md").read_text()
@@ -105,12 +119,63 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
         mine[f"{kind}_step"] = state["step"]
         mine[f"{kind}_next_step_exact"] = one_more_step(model, opt, run.data_parallel_rank, run.data_parallel_size) == out["after_step"]
 
-    # refusals
+    # lite.join over uneven data-parallel shards (replica 0: 5 batches, replica 1: 3), twice:
+    # dividing by the initial number of replicas (clipped by norm), then by the running ones
+    lite.seed_everything(JOIN_SEED)
+    net = make_net()
+    joined, jopt = lite.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    share = torch.utils.data.Subset(torch.utils.data.TensorDataset(*data()), JOIN_SHARES[run.data_parallel_rank])
+    shard = lite.setup_dataloader(torch.utils.data.DataLoader(share, batch_size=BATCH), use_distributed_sampler=False)
+    mine["join"] = []
+    for divide in (True, False):
+        rows, losses, norms = [], [], []
+        with lite.join(joined, divide_by_initial_world_size=divide):
+            for index, x, y in shard:
+                rows += index.tolist()
+                loss = torch.nn.functional.mse_loss(joined(x), y)
+                losses.append(float(lite.all_reduce(loss.detach(), op="mean")))  # over the running ranks
+                lite.backward(loss)
+                if divide:
+                    norms.append(float(lite.clip_gradients(joined, jopt, max_norm=JOIN_CLIP)))
+                jopt.step()
+                jopt.zero_grad()
+            seen = int(lite.all_reduce(len(rows)))  # after the loop, inside the block: waits for the others
+        mine["join"].append({"rows": rows, "losses": losses, "norms": norms, "seen": seen, "params": full(joined)})
+
+    # a replica with no data (it replays from an example the others send), in an accumulation
+    # window: replica 0 accumulates 2 batches (lite.no_backward_sync) into one step
+    empty = torch.utils.data.Subset(torch.utils.data.TensorDataset(*data()), JOIN_EMPTY_SHARES[run.data_parallel_rank])
+    shard = lite.setup_dataloader(torch.utils.data.DataLoader(empty, batch_size=BATCH), use_distributed_sampler=False)
+    rows = []
+    with lite.join(joined):
+        for i, (index, x, y) in enumerate(shard):
+            rows += index.tolist()
+            with lite.no_backward_sync(joined, enabled=i == 0):
+                lite.backward(torch.nn.functional.mse_loss(joined(x), y))
+            if i == 1:
+                jopt.step()
+                jopt.zero_grad()
+        seen = int(lite.all_reduce(len(rows)))
+    mine["join"].append({"rows": rows, "seen": seen, "params": full(joined)})
+
+    # no_grad evaluation inside join, sharded by the sampler: 5 rows (2 batches) and 4 (1 batch)
+    evaluation = loader_over(torch.utils.data.TensorDataset(*join_eval_data()))
+    rows, sse = [], torch.zeros(())
+    with torch.no_grad(), lite.join(joined):
+        for index, x, y in evaluation:
+            rows += index.tolist()
+            sse += ((joined(x) - y) ** 2).sum()
+        totals = lite.all_reduce(torch.stack([sse, torch.tensor(float(len(rows)))]))
+    mine["join_eval"] = {"rows": rows, "totals": totals.tolist()}
+
+    # refusals: a replica whose ranks do not run out together, a plan that leaves the replicas apart
     try:
-        with lite.join(model):
-            pass
+        with torch.no_grad(), lite.join(joined):
+            for _ in range(2 if run.global_rank == 3 else 1):  # rank 3 runs on, rank 2 (its replica) leaves
+                joined(probe())
+        mine["split_error"] = "not refused"
     except RuntimeError as e:
-        mine["join_error"] = str(e)
+        mine["split_error"] = str(e)
     strategy_here.parallelize = lambda m, mesh: m  # a plan that forgets fully_shard
     try:
         lite.setup(make_net())

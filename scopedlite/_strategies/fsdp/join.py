@@ -6,7 +6,9 @@
   announced too.
 - Backward on a joined rank: ``torch.autograd.backward`` through the outputs the active ranks'
   loss used, with zero gradients, under the same gradient-sync flag (tracked by wrapping the
-  public ``set_requires_gradient_sync`` on the root, which ``lite.no_backward_sync`` calls).
+  public ``set_requires_gradient_sync`` of the root's outermost FSDP units, which
+  ``lite.no_backward_sync`` calls: the root itself under ``fsdp``, whatever the user's plan
+  sharded under ``model_parallel``).
 - ``optimizer.step``/``zero_grad`` (and the model's own ``zero_grad``) have no collectives
   under FSDP2: they are events.
 - A serving rank's replayed backward adds zeros to the reduce-scatter; what it accumulated
@@ -14,9 +16,11 @@
 - Buffers (BatchNorm statistics) are each rank's own under FSDP2, which never synchronises
   them; a replayed forward leaves a serving rank's as they were.
 - ``divide_by_initial_world_size=False``: every FSDP module divides the reduced gradients by
-  the number of active ranks (``set_gradient_divide_factor``); gloo has no PREMUL_SUM, so the
-  reduction is forced to a plain sum followed by that division. After the block the factor is
-  the world size again (the same mean as FSDP2's default, computed as sum then divide).
+  the number of active replicas (``set_gradient_divide_factor``); gloo has no PREMUL_SUM, so
+  the reduction is forced to a plain sum followed by that division. After the block the
+  factor is the number of replicas again (the same mean as FSDP2's default, computed as sum
+  then divide). A replica is one rank under ``fsdp``; under ``model_parallel`` it is the
+  tensor-parallel ranks that read the same batches, and FSDP reduces over the replicas.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
     from scopedlite._strategies.fsdp.strategy import FSDPStrategy
     from scopedlite._strategies.replay import ReplaySession
 
-__all__ = ["FSDPReplay"]
+__all__ = ["FSDPReplay", "outermost_units"]
 
 
 class FSDPReplay:
@@ -41,12 +45,13 @@ class FSDPReplay:
 
     records_steps = True
 
-    def __init__(self, strategy: FSDPStrategy, roots: tuple[torch.nn.Module, ...], divide_by_initial_world_size: bool, world_size: int) -> None:
+    def __init__(self, strategy: FSDPStrategy, roots: tuple[torch.nn.Module, ...], divide_by_initial_world_size: bool, replicas: int) -> None:
         self.strategy = strategy
         self.roots = roots
         self.divide = divide_by_initial_world_size
-        self.world_size = world_size
+        self.replicas = replicas  # FSDP's data-parallel size: the gradients are reduced over them
         self._sync = [True] * len(roots)
+        self._units = [outermost_units(root) for root in roots]
 
     def _fsdp_modules(self) -> list[Any]:
         from torch.distributed.fsdp import FSDPModule
@@ -57,19 +62,20 @@ class FSDPReplay:
         stack = contextlib.ExitStack()
         for index, root in enumerate(self.roots):
             announce_forwards(stack, session, index, root)
-            original = root.set_requires_gradient_sync
+            for unit in self._units[index]:
+                original = unit.set_requires_gradient_sync
 
-            def tracked(requires_gradient_sync: bool, *, recurse: bool = True, index: int = index, original: Any = original) -> None:
-                if not session.serving:
-                    self._sync[index] = requires_gradient_sync
-                original(requires_gradient_sync, recurse=recurse)
+                def tracked(requires_gradient_sync: bool, *, recurse: bool = True, index: int = index, original: Any = original) -> None:
+                    if not session.serving:
+                        self._sync[index] = requires_gradient_sync
+                    original(requires_gradient_sync, recurse=recurse)
 
-            wrap_method(stack, root, "set_requires_gradient_sync", tracked)
+                wrap_method(stack, unit, "set_requires_gradient_sync", tracked)
         if not self.divide:
             for module in self._fsdp_modules():
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-                module.set_gradient_divide_factor(float(self.world_size))
-            stack.callback(self.active_count, self.world_size)
+                module.set_gradient_divide_factor(float(self.replicas))
+            stack.callback(self.active_count, self.replicas)
         return stack
 
     def module(self, index: int) -> torch.nn.Module:
@@ -90,14 +96,14 @@ class FSDPReplay:
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
         if not outputs:
             return
-        root: Any = self.roots[index]
-        if not sync:
-            root.set_requires_gradient_sync(False)
+        units = self._units[index] if not sync else []
+        for unit in units:
+            unit.set_requires_gradient_sync(False)
         try:
             torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
         finally:
-            if not sync:
-                root.set_requires_gradient_sync(True)
+            for unit in units:
+                unit.set_requires_gradient_sync(True)
 
     def step(self, index: int) -> None:
         raise AssertionError("FSDP2's optimizer step is local: it travels as an event")
@@ -109,6 +115,7 @@ class FSDPReplay:
         return 1.0  # the divisor is set on every FSDP module
 
     def active_count(self, count: int) -> None:
+        """``count`` replicas run now."""
         if self.divide:
             return
         for module in self._fsdp_modules():
@@ -119,3 +126,14 @@ class FSDPReplay:
 
     def finish(self, authoritative: int) -> None:
         pass  # each rank's shards were stepped alike; buffers are each rank's own
+
+
+def outermost_units(root: torch.nn.Module) -> list[Any]:
+    """The FSDP units of ``root`` not inside another one: ``[root]`` when ``fully_shard`` was
+    applied to it (always under ``fsdp``), else those a user's plan sharded (none: no gradient
+    reduction to skip). ``set_requires_gradient_sync`` on them reaches every unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(root, FSDPModule):
+        return [root]
+    return [unit for child in root.children() for unit in outermost_units(child)]

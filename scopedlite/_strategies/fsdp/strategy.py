@@ -344,7 +344,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
     def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> FSDPReplay:
-        return FSDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
+        return FSDPReplay(self, models, divide_by_initial_world_size, self.data_parallel_size)
 
     # -- checkpoints ----------------------------------------------------------------------
     def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
