@@ -9,13 +9,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import reference_training  # noqa: E402
+from _common import assert_close, reference_training  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _close(a, b, tol=1e-5):
-    return all(abs(x - y) <= tol for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
 @pytest.mark.parametrize("devices", [2, 3])
@@ -26,7 +22,7 @@ def test_ddp_matches_single_process_over_the_global_batch(script, devices):
     out = result.json()
     reference = reference_training(n, devices, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
-    assert _close(out["params"], expected), (out["params"][0][:4], expected[0][:4])
+    assert_close(out["params"], expected, 1e-5, "parameters")
     # parameters identical on every rank
     first = out["first_param_on_each_rank"]
     assert all(row == first[0] for row in first)
@@ -38,7 +34,7 @@ def test_single_strategy_gives_the_single_process_result(script):
     assert result.returncode == 0, result.explain()
     reference = reference_training(n, 1, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
-    assert _close(result.json()["params"], expected)
+    assert_close(result.json()["params"], expected, 1e-5, "parameters")
 
 
 def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
@@ -57,7 +53,7 @@ def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
         for p in model.parameters():
             p -= 0.1 * p.grad
     expected = [p.detach().flatten().tolist() for p in model.parameters()]
-    assert _close(out["params"], expected)
+    assert_close(out["params"], expected, 1e-5, "parameters")
     assert out["norm"] == pytest.approx(norm.item(), rel=1e-5)
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])  # of the update above, before it
     assert out["norm_inf"] == pytest.approx(grads.abs().max().item(), rel=1e-5)

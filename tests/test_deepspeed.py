@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1-3 on 2 real CPU ranks (gloo), against the one-process DDP reference.
+"""DeepSpeed ZeRO 1-3 on 2 real CPU ranks (gloo), against one process training with plain torch.
 
 Needs the ``deepspeed`` extra; skipped where it is not installed. DeepSpeed's shared-memory op
 is JIT-built with gcc once per machine (about 1-2 minutes) by tests/conftest.py before the
@@ -18,7 +18,7 @@ import torch
 import scopedlite as lite
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import make_data, make_model, reference_training  # noqa: E402
+from _common import assert_close, make_data, make_model, max_diff, reference_training  # noqa: E402
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -28,12 +28,8 @@ needs_deepspeed = pytest.mark.skipif(
 RUN_S = 150
 
 
-def _max_diff(a, b) -> float:
-    return max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
-
-
 # -- configuration: no processes, no deepspeed needed -------------------------------------
-def test_names_are_registered_and_deepspeed_is_imported_lazily(run_python):
+def test_the_names_are_registered_with_their_stage_and_offloads():
     from scopedlite._strategies.registry import STRATEGIES
 
     expected = {
@@ -52,8 +48,10 @@ def test_names_are_registered_and_deepspeed_is_imported_lazily(run_python):
             offload_opt,
             offload_params,
         )
-    if not HAS_DEEPSPEED:
-        return  # resolve refuses the strategy without deepspeed (tested below)
+
+
+@needs_deepspeed
+def test_resolving_a_deepspeed_strategy_does_not_import_deepspeed(run_python):
     result = run_python(
         "-c",
         "import sys, scopedlite as lite; s = lite.DeepSpeedStrategy(stage=3); "
@@ -186,7 +184,7 @@ def test_every_test_file_shares_one_extension_folder(run_python):
         ("deepspeed_stage_3_offload", True),
     ],
 )
-def test_zero_trains_like_ddp_on_the_same_data(script, strategy, accumulate):
+def test_zero_trains_like_one_process_on_the_same_data(script, strategy, accumulate):
     n, batch = 24, 4
     extra = ("32-true", "accumulate") if accumulate else ()
     result = script("deepspeed_train", strategy, n, batch, *extra, timeout=RUN_S)
@@ -196,10 +194,10 @@ def test_zero_trains_like_ddp_on_the_same_data(script, strategy, accumulate):
     assert out["stage"] == int(strategy.split("_")[2])
     reference = reference_training(n, 2, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
-    assert _max_diff(out["params"], expected) < 1e-5
+    assert_close(out["params"], expected, 1e-5, "parameters")
     with torch.no_grad():
         expected_out = reference(make_data(6, seed=5).tensors[0]).flatten().tolist()
-    assert _max_diff([out["outputs"]], [expected_out]) < 1e-5
+    assert_close(out["outputs"], expected_out, 1e-5, "outputs")
     rows = out["first_param_on_each_rank"]
     assert rows[0] == rows[1]  # our all_gather, beside DeepSpeed, on its process group
     assert out["broadcast"] == {"rank": 1}
@@ -226,7 +224,7 @@ def test_bf16_mixed_trains_the_model_in_bf16(script):
     assert out["param_dtype"] == "torch.bfloat16"
     reference = reference_training(n, 2, batch)
     expected = [p.detach().flatten().tolist() for p in reference.parameters()]
-    assert _max_diff(out["params"], expected) < 2e-2  # bf16 forward/backward, fp32 master weights
+    assert_close(out["params"], expected, 2e-2, "parameters")  # bf16 forward/backward, fp32 master weights
 
 
 @needs_deepspeed
@@ -252,7 +250,7 @@ def test_zero3_sharded_init_checkpoint_and_refusals(script, tmp_path):
 
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
-    assert _max_diff(out["built"], [p.detach().flatten().tolist() for p in plain.parameters()]) == 0.0
+    assert max_diff(out["built"], [p.detach().flatten().tolist() for p in plain.parameters()]) == 0.0
 
     # save -> train on -> load restores outputs exactly, and the optimizer (momentum) too
     assert out["moved"] != out["at_save"]
@@ -264,7 +262,7 @@ def test_zero3_sharded_init_checkpoint_and_refusals(script, tmp_path):
     assert out["evaluator"] == ["SetUpDeepSpeedEngine", 5]
     # one fp32 state dict, loaded into the plain model, gives the same outputs
     assert out["consolidated_keys"] == sorted(plain.state_dict())
-    assert _max_diff([out["consolidated"]], [out["at_save"]]) < 1e-6
+    assert_close(out["consolidated"], out["at_save"], 1e-6, "the consolidated model's outputs")
 
     refusals = out["refusals"]
     assert refusals["join"].startswith("ValueError") and "not both at once" in refusals["join"]

@@ -27,6 +27,9 @@ import scopedlite as lite
 from scopedlite import ShardedSampler
 from scopedlite._api.loader_state import Interrupted
 
+sys.path.insert(0, str(SCRIPTS))
+from _common import max_diff  # noqa: E402
+
 pytestmark = pytest.mark.timeout(240)
 
 N, EPOCHS = 33, 3
@@ -39,12 +42,12 @@ def _launch(script, strategy, devices, *jobs):
 
 
 def _same(resumed_job, reference_job):
+    assert len(resumed_job) == len(reference_job), "a rank's result is missing"
     for rank, (resumed, reference) in enumerate(zip(resumed_job, reference_job)):
         assert resumed["params"] is not None, f"rank {rank} did not finish"
-        difference = max(
-            abs(a - b) for p, q in zip(resumed["params"], reference["params"]) for a, b in zip(p, q)
+        assert max_diff(resumed["params"], reference["params"], f"rank {rank}'s parameters") == 0.0, (
+            f"rank {rank}: parameters differ from the uninterrupted run"
         )
-        assert difference == 0.0, f"rank {rank}: parameters differ from the uninterrupted run by {difference}"
 
 
 def _reads(*jobs):

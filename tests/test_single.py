@@ -220,8 +220,16 @@ def test_print_only_on_rank_zero(capsys):
 
 
 def test_to_device():
-    out = lite.to_device({"a": [torch.ones(1)], "b": 2})
-    assert out["a"][0].device.type == lite.current().device.type and out["b"] == 2
+    # The run's device is the CPU here (a move between devices needs a GPU: not tested here);
+    # checked are the structure, the values and what is not a tensor, at every level.
+    x = torch.arange(3.0)
+    out = lite.to_device({"a": [x, (x * 2,)], "b": 2, "c": "text"})
+    device = lite.current().device
+    assert sorted(out) == ["a", "b", "c"] and len(out["a"]) == 2 and isinstance(out["a"][1], tuple)
+    assert out["a"][0].device == device and out["a"][1][0].device == device
+    assert out["a"][0].tolist() == [0.0, 1.0, 2.0] and out["a"][1][0].tolist() == [0.0, 2.0, 4.0]
+    assert out["b"] == 2 and out["c"] == "text"
+    assert next(lite.to_device(torch.nn.Linear(2, 1)).parameters()).device == device
 
 
 def test_join_is_a_no_op_on_one_device():

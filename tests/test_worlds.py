@@ -1,7 +1,8 @@
 """Real worlds made by other tools: two-node torchrun, mpirun, and srun on a real SLURM.
 
 Each test starts the real tool and is skipped, with the reason, where the tool is missing
-(CI installs them: see .ci/run). The scripts are the ones our own launcher runs, unchanged:
+(CI installs them: see .ci/run). Where SLURM is installed (and we are root), a SLURM that does
+not start is a failure, not a skip: a broken start-up path must not pass as "not here". The scripts are the ones our own launcher runs, unchanged:
 launch finds the world in the environment and joins it.
 """
 
@@ -22,7 +23,7 @@ import pytest
 from conftest import SCRIPTS, _env
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import reference_training  # noqa: E402
+from _common import assert_close, reference_training  # noqa: E402
 
 
 def _free_port() -> int:
@@ -38,12 +39,12 @@ def _expected(n: int, world_size: int, batch: int) -> list[list[float]]:
 def _assert_trained_like_reference(out: dict, n: int, world_size: int, batch: int) -> None:
     expected = _expected(n, world_size, batch)
     assert out["world_size"] == world_size
-    worst = max(abs(x - y) for pa, pb in zip(out["params"], expected) for x, y in zip(pa, pb))
-    assert worst < 1e-5, f"parameters differ from the single-process reference by {worst}"
+    assert_close(out["params"], expected, 1e-5, "parameters")
     first = out["first_param_on_each_rank"]
     assert len(first) == world_size and all(row == first[0] for row in first)
     # every rank's all_reduce(mean) of the loss equals the mean of the ranks' own losses
     ranks = out["ranks"]
+    assert len(ranks) == world_size and len(ranks[0]["means"]) == n // world_size // batch
     for step, mean in enumerate(ranks[0]["means"]):
         own = [r["locals"][step] for r in ranks]
         assert mean == pytest.approx(sum(own) / len(own), rel=1e-5)
@@ -250,10 +251,10 @@ def slurm():
     cluster = Slurm()
     try:
         cluster.start()
-    except Exception as e:  # noqa: BLE001 - an unusable host, not a failure of ours
+    except Exception as e:  # noqa: BLE001 - reported with the daemons' logs
         logs = cluster.logs()
         cluster.stop()
-        pytest.skip(f"could not start a single-node SLURM here: {e}\n{logs}")
+        pytest.fail(f"SLURM is installed but a single-node SLURM did not start: {e!r}\n{logs}")
     yield cluster
     cluster.stop()
 

@@ -25,6 +25,42 @@ def params(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
+def max_diff(got: Any, expected: Any, what: str = "value") -> float:
+    """The largest absolute difference between two nested structures of numbers (lists,
+    tuples, dicts), after checking that they have the same shape: the same lengths and the
+    same keys at every level. A shortened or empty list, or a missing key, fails here instead
+    of being skipped by ``zip``."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict), f"{what}: got {type(got).__name__}, expected a dict"
+        assert sorted(got) == sorted(expected), f"{what}: keys {sorted(got)} != {sorted(expected)}"
+        return max((max_diff(got[k], expected[k], f"{what}[{k!r}]") for k in expected), default=0.0)
+    if isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)), f"{what}: got {type(got).__name__}, expected a list"
+        assert len(got) == len(expected), f"{what}: {len(got)} items, expected {len(expected)}"
+        return max((max_diff(g, e, f"{what}[{i}]") for i, (g, e) in enumerate(zip(got, expected))), default=0.0)
+    assert isinstance(got, (int, float)) and not isinstance(got, bool), f"{what}: got {got!r}, expected a number"
+    return abs(got - expected)
+
+
+def assert_close(got: Any, expected: Any, tol: float = 1e-5, what: str = "value") -> None:
+    """``max_diff(got, expected) <= tol``, saying by how much and where it differs."""
+    assert expected not in ([], {}, ()), f"{what}: the reference is empty: nothing would be compared"
+    worst = max_diff(got, expected, what)
+    assert worst <= tol, f"{what}: differs from the reference by {worst:.3g} (allowed {tol:.1g})"
+
+
+def reductions_during(fn: Any) -> int:
+    """How many reducing collectives (all-reduce, reduce-scatter, reduce) this rank ran
+    during ``fn()``, counted from torch's profiler, which records every ``c10d`` op: those
+    torch.distributed's Python functions call (FSDP2, DeepSpeed) and those DDP's reducer calls
+    from C++. A backward whose gradients are not synchronised runs none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("c10d::") and "reduce" in e.name)
+
+
 def write(obj: Any) -> None:
     with open(os.environ["OUT"], "w") as f:
         json.dump(obj, f)

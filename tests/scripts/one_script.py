@@ -25,7 +25,8 @@ import weakref
 from pathlib import Path
 
 import torch
-from _common import write
+from _common import reductions_during, write
+from _one_script_common import Net, WithConfig, build, global_batch, loss_of, probe, sgd
 
 import scopedlite as lite
 
@@ -33,54 +34,11 @@ strategy, directory = sys.argv[1], Path(sys.argv[2])
 devices = 1 if strategy == "single" else 2
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
-        self.head = torch.nn.Linear(8, 1)
-        self.temperature = torch.nn.Parameter(torch.tensor([1.5]))  # the root's own (FSDP2 refuses 0-d)
-        self.register_buffer("offset", torch.tensor([0.1]))
-        self.gain = 0.5  # a plain attribute
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x)) * self.gain + self.offset
-
-    def score(self, x: torch.Tensor) -> torch.Tensor:
-        """The training output: forward, then a root parameter."""
-        return self.forward(x) * self.temperature
-
-    def current_gain(self) -> float:
-        return self.gain
-
-    def describe(self) -> str:
-        return f"Net(gain={self.gain})"
-
-
-class WithConfig(Net):
-    def __init__(self) -> None:
-        super().__init__()
-        self.config = {"depth": 2}
-
-
-def build(seed: int) -> Net:
-    torch.manual_seed(seed)
-    return Net()
-
-
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of step ``step``'s batch of 8."""
-    g = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(8, 4, generator=g)
-    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(8, 1, generator=g)
+    x, y = global_batch(step)
     run = lite.current()
     return x[run.global_rank :: run.world_size], y[run.global_rank :: run.world_size]
-
-
-def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model.score(x), y)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,15 +50,21 @@ def flat(model: torch.nn.Module) -> dict[str, list[float]]:
     return {k: v.float().flatten().tolist() for k, v in sorted(full_state(model).items())}
 
 
-def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm=None, clip_val=None):
+def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm=None, clip_val=None, reductions=None):
+    """``reductions``, if given, receives per step the reducing collectives of the backward
+    inside ``no_backward_sync`` and of the one after it."""
     norms = []
     for step in range(start, start + steps):
         x, y = batch(step)
         if accumulate:  # two micro-batches, synced on the second only
             half = len(x) // 2
             with lite.no_backward_sync(model):
-                lite.backward(loss_of(model, x[:half], y[:half]))
-            lite.backward(loss_of(model, x[half:], y[half:]))
+                loss = loss_of(model, x[:half], y[:half])
+                inside = reductions_during(lambda: lite.backward(loss))
+            loss = loss_of(model, x[half:], y[half:])
+            after = reductions_during(lambda: lite.backward(loss))
+            if reductions is not None:
+                reductions.append([inside, after])
         else:
             lite.backward(loss_of(model, x, y))
         if max_norm is not None:
@@ -118,7 +82,7 @@ def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 result: dict = {"strategy": strategy}
 with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=120) as run:
-    probe_x = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
+    probe_x = probe()
 
     # -- attributes, methods, types ----------------------------------------------------------
     net = build(0)
@@ -166,7 +130,8 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
         result[f"fold_{fold}_released"] = [ref() is None for ref in released]
 
     # -- accumulation, clipping ---------------------------------------------------------------
-    train(model, opt, steps=2, start=20, accumulate=True)
+    result["reductions"] = []
+    train(model, opt, steps=2, start=20, accumulate=True, reductions=result["reductions"])
     result["after_accumulation"] = flat(model)
     result["norms"] = train(model, opt, steps=2, start=30, max_norm=0.05)
     result["after_clip_norm"] = flat(model)
