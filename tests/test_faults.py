@@ -61,7 +61,8 @@ def test_fault_ends_the_run_cleanly(script, rank, mode, point):
         assert out["error"] == "WorkerFailedError", result.explain()
         assert out["ranks"] == [rank], out["message"]
         assert EXPECTED[mode] in out["message"], out["message"]
-    assert out["latency"] is not None and out["latency"] < 3.0, out["latency"]
+    # found, not waited out: a missed failure waits for launch(timeout=30) (past it, for "skip")
+    assert out["latency"] is not None and out["latency"] < 15, out["latency"]
     for pid in out["pids"]:
         if psutil.pid_exists(pid):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"
