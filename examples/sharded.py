@@ -6,10 +6,11 @@
 `with lite.sharded_init():` builds the model without ever holding all of it in one process,
 with the values a plain build with the same seed gives it: the build is recorded on the meta
 device, then each parameter is computed on its own and only this rank's part is kept (under
-FSDP by `lite.setup`, under DeepSpeed ZeRO-3 as the block closes). Each
-rank holds about half of every parameter, printed below. `lite.save` writes a folder with one
-shard per rank; after the block, one process loads that folder into a plain model, as it is
-(no conversion step), and checks its loss against the loss measured inside the run.
+FSDP by `lite.setup`, under DeepSpeed ZeRO-3 as the block closes). Each rank holds about half
+of every parameter, printed below. The loop runs inside `lite.join`, as under DDP: the ranks
+hold different numbers of batches and every sample is read once. `lite.save` writes a folder
+with one shard per rank; after the block, one process loads that folder into a plain model, as
+it is (no conversion step), and checks its loss against the loss measured inside the run.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import scopedlite as lite
 STRATEGIES = ("fsdp", "deepspeed_stage_3")
 
 
-def make_data(n: int = 512) -> TensorDataset:
+def make_data(n: int = 449) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 16, generator=g)
     return TensorDataset(x, torch.tanh(x[:, :4].sum(dim=1, keepdim=True) / 2))
@@ -80,10 +81,14 @@ def main() -> None:
         loader = lite.setup_dataloader(DataLoader(data, batch_size=32, shuffle=True))
         lite.print(f"epoch -1: loss {full_loss(model, data):.4f}")
         for epoch in range(args.epochs):
-            for x, y in loader:  # no join: FSDP and ZeRO-3 need every rank in every step (padded)
-                lite.backward(torch.nn.functional.mse_loss(model(x), y))
-                opt.step()
-                opt.zero_grad()
+            # 449 samples in batches of 32: 225 on rank 0 (8 batches), 224 on rank 1 (7). Inside
+            # join rank 1 serves rank 0's last step (a zero-weighted replay of the forward and
+            # backward, and the optimizer step), so every sample counts once.
+            with lite.join(model):
+                for x, y in loader:
+                    lite.backward(torch.nn.functional.mse_loss(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
             lite.print(f"epoch {epoch}: loss {full_loss(model, data):.4f}")
         final = full_loss(model, data)
         lite.save(args.checkpoint, {"model": model, "opt": opt, "epochs": args.epochs})  # a folder: one shard per rank

@@ -13,7 +13,7 @@ import datetime
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -163,15 +163,17 @@ _own_store: list[tuple[Any, int, int]] = []
 _launch_store: list[Any] = []
 
 
-def end_of_block_barrier(rank: int, size: int, seconds: float) -> bool:
+def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[], None] | None = None) -> bool:
     """Wait until every rank of a run we started reached the end of its launch block.
 
     Through the store, not a collective: a rank that skipped a collective the others are in
     must not meet them in this barrier, where a collective of another kind would answer
     theirs (gloo then breaks the connection). Waiting here, it leaves them to time out in
     their collective, which names where everyone was. Polled from Python, so rank 0 can be
-    interrupted when a worker fails. Returns False where there is no such store (the caller
-    falls back to a collective barrier); raises ``TimeoutError`` naming the missing ranks.
+    interrupted when a worker fails; ``check``, called at every poll, may raise to give up
+    (rank 0 raises there when a worker has failed, since a rank that is gone never arrives).
+    Returns False where there is no such store (the caller falls back to a collective
+    barrier); raises ``TimeoutError`` naming the missing ranks.
     """
     if not _launch_store:
         return False
@@ -183,6 +185,8 @@ def end_of_block_barrier(rank: int, size: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     pause = 0.001
     while not store.check(keys):
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
             raise TimeoutError(

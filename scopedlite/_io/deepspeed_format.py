@@ -40,7 +40,8 @@ TAG = "checkpoint"
 # The key of DeepSpeed's client state under which our entries travel.
 CLIENT_KEY = "scopedlite"
 _FORMAT = 2
-_OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# DeepSpeed prefixes the optimizer files with "bf16_" when the run used bf16.
+_OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 def client_state(order: list[str], kinds: dict[str, str], engine: str, optimizer: str | None, entries: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +68,7 @@ class DeepSpeedFolder(Checkpoint):
     written_by = "deepspeed"
 
     def __init__(self, path: Path, weights_only: bool) -> None:
+        self.path = path  # set again by Checkpoint.__init__; the messages below need it first
         self.folder = path / TAG
         if not self.folder.is_dir():
             raise CheckpointError(

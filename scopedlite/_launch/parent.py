@@ -153,7 +153,9 @@ class Parent(Role):
         try:
             if exc is None:
                 try:
-                    self.final_barrier(run.timeout.total_seconds())
+                    # The supervisor no longer interrupts this thread, and a worker that
+                    # failed never reaches the end of the block: stop waiting for it.
+                    self.final_barrier(run.timeout.total_seconds(), check=supervisor.raise_if_failed)
                     run.strategy.stop()
                 except BaseException as e:  # a worker failed while rank 0 was finishing
                     exc = e

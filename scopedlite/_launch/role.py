@@ -108,14 +108,15 @@ class Role(ABC):
             self.signals.uninstall()
             self.signals = None
 
-    def final_barrier(self, store_wait: float | None = None) -> None:
+    def final_barrier(self, store_wait: float | None = None, check: Callable[[], None] | None = None) -> None:
         """Every rank reached the end of the block before any leaves it.
 
         In a run we started, the ranks meet through the store for up to ``store_wait``
         seconds (see :func:`scopedlite._comm.process_group.end_of_block_barrier`), so the rank
         that times out first can report where everyone was; elsewhere through the strategy.
         With ``SCOPEDLITE_DEBUG=1`` the end of the block is checked like any collective of
-        ours, so a rank still in a collective is named at once.
+        ours, so a rank still in a collective is named at once. ``check`` is called while the
+        ranks meet through the store and may raise to give up (a worker has failed).
         """
         run = self.run
         assert run is not None
@@ -123,7 +124,7 @@ class Role(ABC):
             return
         if debug_enabled():
             check_same_collective(run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block")
-        if store_wait is not None and end_of_block_barrier(run.global_rank, run.world_size, store_wait):
+        if store_wait is not None and end_of_block_barrier(run.global_rank, run.world_size, store_wait, check):
             return
         if final_gloo_barrier():
             return

@@ -218,6 +218,12 @@ class Supervisor:
         """Stop interrupting the main thread (called first thing when the block exits)."""
         self._armed = False
 
+    def raise_if_failed(self) -> None:
+        """Raise what an interrupt raises when a worker has failed: for rank 0's waits once
+        disarmed (the end of the block), which a failed worker would never end."""
+        if self._failed.is_set() or self._first_bad_exit() is not None:
+            raise _Interrupted()
+
     def close(self) -> None:
         self._armed = False
         self._stop.set()

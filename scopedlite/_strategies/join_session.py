@@ -181,10 +181,11 @@ def refuse_raw_collectives() -> Any:
     """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
     scopedlite raises at once instead of hanging.
 
-    The ranks that ran out of data wait in the join protocol, where only torch's joinables
-    (DDP) and our collectives are answered; a raw collective on an active rank would wait for
-    them until the timeout (30 minutes by default), silently. torch's own code (DDP, its Join)
-    and ours go through as they are. Patched on the ``torch.distributed`` namespace for the
+    The ranks that ran out of data wait in the join protocol, where only the replayed steps
+    (forwards, backwards, optimizer steps of the set-up models) and our collectives are
+    answered; a raw collective on an active rank would wait for them until the timeout (30
+    minutes by default), silently. torch's own code (DDP, FSDP, its Join), DeepSpeed's and ours
+    go through as they are. Patched on the ``torch.distributed`` namespace for the
     block only; code that imported the function itself beforehand is not covered.
     """
     saved = {}

@@ -33,8 +33,8 @@ def _numpy_needed() -> None:
         import numpy  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            "Sharded checkpoints need numpy (torch.distributed.checkpoint uses it): "
-            "pip install scopedlite[fsdp]"
+            "Sharded checkpoints need numpy (torch.distributed.checkpoint uses it), a "
+            "dependency of scopedlite that this environment lacks: pip install numpy"
         ) from e
 
 
