@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["STACK_SIGNAL", "CollectiveTimeoutError", "collect_stacks", "enable_stack_dumps", "looks_like_timeout"]
+__all__ = ["STACK_SIGNAL", "CollectiveTimeoutError", "collect_stacks", "enable_stack_dumps", "looks_like_timeout", "says_timed_out"]
 
 STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 _open_files: list[IO[str]] = []
@@ -80,10 +80,13 @@ def collect_stacks(workers: list[Any], error_dir: Path, wait: float = 1.0) -> di
 
 
 def looks_like_timeout(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective or store wait that ran out of time (gloo: "Timed out
-    waiting ...", the store: "... timed out ..." / "Socket Timeout"), not any error whose
+    """Whether ``exc`` is a collective or store wait that ran out of time, not any error whose
     message mentions a timeout."""
-    if isinstance(exc, TimeoutError):
-        return True
-    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or says_timed_out(str(exc))
+
+
+def says_timed_out(message: str) -> bool:
+    """Whether an error message says a collective or store wait ran out of time (gloo: "Timed
+    out waiting ...", the store: "... timed out ..." / "Socket Timeout" / "Wait timeout")."""
+    text = message.lower()
     return "timed out" in text or "socket timeout" in text or "wait timeout" in text

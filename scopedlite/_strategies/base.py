@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["REDUCE_OPS", "ReduceOp", "Rendezvous", "Strategy"]
 
 ReduceOp = str
+# The reductions lite.all_reduce takes. A join round names one by its index here.
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
