@@ -51,8 +51,9 @@ class _JoinScope(WrapperScope[None]):
                 f"that support it: {', '.join(repr(s) for s in supported)}."
             )
         self.run: Run = run
-        # The scope stays registered while the session finishes, so collectives issued by
-        # joinable hooks route correctly; the session lets exceptions through untouched.
+        # The scope stays registered while the session finishes (the ranks out of data serve
+        # the others' last rounds there), so what those replays call finds the session as in
+        # the block; the session lets exceptions through untouched.
         self.session = strategy.join(self.joinables, self.divide)
         return self.session, None
 

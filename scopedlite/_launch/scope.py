@@ -85,7 +85,7 @@ class _Launch(Scope[Run]):
         self.role = self._role_for(plan, identity)
         run = self.role.enter()
         self.metrics = MetricLog(plan.loggers, write=run.is_global_zero)
-        _run.launches.add(self)  # threads started in the block find the run (core/run.py)
+        _run.launches.add(self)  # threads started in the block find the run (_core/run.py)
         return run
 
     def _role_for(self, plan: Plan, identity: str) -> Role:
@@ -93,7 +93,7 @@ class _Launch(Scope[Run]):
             return Solo(plan)
         if plan.launcher == "join":
             assert plan.world is not None
-            return Worker.re_executed(plan) if plan.world.source == "scopedlite" else External(plan)
+            return Worker.re_executed(plan) if plan.world.is_ours else External(plan)
         return Parent(plan, identity, self.describe()).spawn()
 
     def _exit(

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._cluster.environments import EXISTING_GROUP
 from scopedlite._comm import process_group as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
@@ -78,7 +77,7 @@ class ProcessGroupStrategy(Strategy):
         default group that existed before launch."""
         assert rendezvous is not None, f"strategy={self.name!r} needs a rendezvous"
         self.placement = placement
-        existing = rendezvous.world.source == EXISTING_GROUP  # made before launch: joined, kept
+        existing = rendezvous.world.is_existing_group  # made before launch: joined, kept
         if existing:
             self._backend = _distributed.adopt_existing_group(rendezvous.world, self.process_group_backend, placement.accelerator)
         else:

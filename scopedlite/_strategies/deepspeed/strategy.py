@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
-from scopedlite._cluster.environments import EXISTING_GROUP
 from scopedlite._core.structures import map_tensors
 from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
@@ -189,7 +188,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self.deepspeed.init_distributed(dist_backend=self._backend, timeout=placement.timeout)
         # A group made before launch (Ray Train, the script) outlives the run: DeepSpeed's view
         # of it stays true, and tearing it down through DeepSpeed would destroy it.
-        self._deepspeed_comm = world.source != EXISTING_GROUP
+        self._deepspeed_comm = not world.is_existing_group
 
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
@@ -433,7 +432,7 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
 
-    Rerouted on the instance (see _reroute.py), so the optimizer keeps its class and LR
+    Rerouted on the instance (see ``reroute.py``), so the optimizer keeps its class and LR
     schedulers built on it keep working.
     """
     original_zero_grad = optimizer.zero_grad
