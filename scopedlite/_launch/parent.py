@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
-from scopedlite._comm.process_group import START_TIMEOUT_ENV, ready_key, start_timeout
+from scopedlite._comm.distributed import START_TIMEOUT_ENV, ready_key, start_timeout
 from scopedlite._core.run import Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch import history

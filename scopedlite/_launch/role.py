@@ -21,7 +21,7 @@ import torch
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
-from scopedlite._comm.process_group import end_of_block_barrier
+from scopedlite._comm.distributed import end_of_block_barrier
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch.signals import StopSignals
@@ -112,7 +112,7 @@ class Role(ABC):
         """Every rank reached the end of the block before any leaves it.
 
         In a run we started, the ranks meet through the store for up to ``store_wait``
-        seconds (see :func:`scopedlite._comm.process_group.end_of_block_barrier`), so the rank
+        seconds (see :func:`scopedlite._comm.distributed.end_of_block_barrier`), so the rank
         that times out first can report where everyone was; elsewhere through the strategy.
         With ``SCOPEDLITE_DEBUG=1`` the end of the block is checked like any collective of
         ours, so a rank still in a collective is named at once.

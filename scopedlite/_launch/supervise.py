@@ -111,7 +111,11 @@ class _Interrupted(BaseException):
     in user code must not swallow it)."""
 
 
-class Worker(Protocol):
+class WorkerProcess(Protocol):
+    """A worker process as the supervisor watches it (:class:`PopenWorker`,
+    :class:`ForkedWorker`); the code that runs inside it is the ``Worker`` role
+    (``worker.py``)."""
+
     rank: int
     pid: int
 
@@ -167,7 +171,7 @@ class ForkedWorker:
         return self._returncode
 
 
-def _kill(worker: Worker) -> None:
+def _kill(worker: WorkerProcess) -> None:
     # Each worker leads its own process group: this also stops its children (data loaders).
     for kill in (os.killpg, os.kill):
         try:
@@ -180,7 +184,7 @@ def _kill(worker: Worker) -> None:
 class Supervisor:
     """Polls workers, stops them all on the first failure, and reports every failed rank."""
 
-    def __init__(self, workers: list[Worker], error_dir: Path) -> None:
+    def __init__(self, workers: list[WorkerProcess], error_dir: Path) -> None:
         self.workers = workers
         self.error_dir = error_dir
         self._lock = threading.Lock()
@@ -269,7 +273,7 @@ class Supervisor:
             raise _Interrupted()
 
     # -- queries and actions ---------------------------------------------------------------
-    def _first_bad_exit(self) -> Worker | None:
+    def _first_bad_exit(self) -> WorkerProcess | None:
         for worker in self.workers:
             code = worker.poll()
             if worker.pid in self._killed or code is None:

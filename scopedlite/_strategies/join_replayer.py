@@ -2,7 +2,7 @@
 
 One small class per backend - ``ddp_join.py``, ``fsdp/join.py``, ``deepspeed/join.py`` -
 installs the hooks through which running ranks announce their steps, and replays those steps
-on a rank that serves. ``ProcessGroupStrategy.join`` (``process_group.py``) is the one
+on a rank that serves. ``ProcessGroupStrategy.join`` (``process_group_strategy.py``) is the one
 template that builds it and hands it to the session.
 """
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.process_group import broadcast_any
+from scopedlite._comm.distributed import broadcast_any
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import overwrite_buffers
 from scopedlite._strategies.join_events import EventRecorder

@@ -50,7 +50,7 @@ from scopedlite._strategies.deepspeed.logs import (
     quiet_deepspeed,
 )
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
-from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.reroute import reroute_step
 
 if TYPE_CHECKING:

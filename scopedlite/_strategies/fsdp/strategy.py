@@ -30,7 +30,7 @@ from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.fsdp.join import FSDPReplay
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger
-from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement

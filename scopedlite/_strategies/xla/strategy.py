@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Itera
 
 import torch
 
-from scopedlite._comm import process_group as _distributed
+from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._hardware.xla import import_torch_xla
 from scopedlite._private.torch_xla_internals import initialize_tpu_process

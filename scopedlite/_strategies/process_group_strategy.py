@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm import process_group as _distributed
+from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.join_replayer import Replayer
