@@ -41,12 +41,12 @@ from ._hardware.machine import Machine as Machine
 from ._io.consolidate import consolidate_checkpoint as consolidate_checkpoint
 from ._io.files import CheckpointError as CheckpointError
 from ._launch.scope import launch as launch
-from ._loggers.base import Logger as Logger
-from ._loggers.csv import CSVLogger as CSVLogger
-from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._launch.stacks import CollectiveTimeoutError as CollectiveTimeoutError
 from ._launch.supervise import RankFailure as RankFailure
 from ._launch.supervise import WorkerFailedError as WorkerFailedError
+from ._loggers.base import Logger as Logger
+from ._loggers.csv import CSVLogger as CSVLogger
+from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._plan import Plan as Plan
 from ._plan import resolve as resolve
 from ._strategies.base import Strategy as Strategy

@@ -232,7 +232,9 @@ def _agrees(name: str, value: Any, given: Any) -> bool:
             kinds = [entry.cls for entry in STRATEGIES.values() if isinstance(value, entry.cls)]
             own = max(kinds, key=lambda cls: len(cls.__mro__), default=None)
             return given != "auto" and own is STRATEGIES[given].cls
-        return value == given or (value in STRATEGIES and given in STRATEGIES and STRATEGIES[value] == STRATEGIES[given])
+        return value == given or (
+            value in STRATEGIES and given in STRATEGIES and STRATEGIES[value] == STRATEGIES[given]
+        )
     if name == "devices":
         if isinstance(value, (list, tuple)) and isinstance(given, int):
             return len(value) == given
@@ -285,9 +287,7 @@ def _choices(values: Sequence[str]) -> str:
 
 def _check_accelerator(accelerator: object) -> str:
     if not isinstance(accelerator, str) or accelerator not in ACCELERATORS:
-        raise ValueError(
-            f"accelerator={accelerator!r} is not valid. Valid choices: {_choices(ACCELERATORS)}."
-        )
+        raise ValueError(f"accelerator={accelerator!r} is not valid. Valid choices: {_choices(ACCELERATORS)}.")
     return accelerator
 
 
@@ -302,10 +302,7 @@ def _check_strategy(strategy: object) -> Strategy | str:
             f"{_choices(['auto', *STRATEGIES])}, or an instance such as "
             "lite.DDPStrategy(find_unused_parameters=True)."
         )
-    raise TypeError(
-        f"strategy must be a name or a Strategy instance, got {type(strategy).__name__} "
-        f"({strategy!r})."
-    )
+    raise TypeError(f"strategy must be a name or a Strategy instance, got {type(strategy).__name__} ({strategy!r}).")
 
 
 def _check_devices(devices: object) -> str | int | tuple[int, ...]:
@@ -325,15 +322,11 @@ def _check_devices(devices: object) -> str | int | tuple[int, ...]:
             ) from None
     if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
         raise TypeError(
-            f"devices must be 'auto', an int or a list of ints, got {type(devices).__name__} "
-            f"({devices!r})."
+            f"devices must be 'auto', an int or a list of ints, got {type(devices).__name__} ({devices!r})."
         )
     if isinstance(devices, int):
         if devices <= 0:
-            raise ValueError(
-                f"devices={devices!r} is not valid: the number of devices must be at least 1 "
-                "(or 'auto')."
-            )
+            raise ValueError(f"devices={devices!r} is not valid: the number of devices must be at least 1 (or 'auto').")
         return devices
     indices = tuple(devices)
     if not indices:
@@ -341,8 +334,7 @@ def _check_devices(devices: object) -> str | int | tuple[int, ...]:
     for index in indices:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(
-                f"devices={list(indices)!r} is not valid: indices must be non-negative ints, "
-                f"got {index!r}."
+                f"devices={list(indices)!r} is not valid: indices must be non-negative ints, got {index!r}."
             )
     if len(set(indices)) != len(indices):
         duplicates = sorted({i for i in indices if indices.count(i) > 1})
@@ -372,8 +364,7 @@ def _check_timeout(timeout: object) -> datetime.timedelta:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, datetime.timedelta)):
         raise TypeError(
-            f"timeout must be seconds (a number) or a datetime.timedelta, got "
-            f"{type(timeout).__name__} ({timeout!r})."
+            f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__} ({timeout!r})."
         )
     delta = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
     if delta.total_seconds() <= 0:
@@ -490,7 +481,11 @@ def _size_in_world(devices: tuple[int, ...], request: _Request, world: World) ->
     world_nodes = world.num_nodes or max(1, world.world_size // world.local_world_size)
     num_nodes = request.num_nodes or world_nodes
     uniform = world.num_nodes == 0 or world.local_world_size * world.num_nodes == world.world_size
-    if len(devices) != world.local_world_size or num_nodes != world_nodes or (uniform and len(devices) * num_nodes != world.world_size):
+    if (
+        len(devices) != world.local_world_size
+        or num_nodes != world_nodes
+        or (uniform and len(devices) * num_nodes != world.world_size)
+    ):
         raise ValueError(
             f"launch(devices={request.written.devices!r}, num_nodes={request.written.num_nodes!r}) asks for "
             f"{len(devices)} process(es) per node on {num_nodes} node(s), but the {world.source} "
@@ -500,7 +495,9 @@ def _size_in_world(devices: tuple[int, ...], request: _Request, world: World) ->
     return _Size(devices, num_nodes, world.world_size)
 
 
-def _device_indices(accelerator: str, devices: str | int | tuple[int, ...], machine: Machine, world: World | None) -> tuple[int, ...]:
+def _device_indices(
+    accelerator: str, devices: str | int | tuple[int, ...], machine: Machine, world: World | None
+) -> tuple[int, ...]:
     if accelerator == "cpu":
         if isinstance(devices, tuple):
             raise ValueError(
@@ -522,8 +519,7 @@ def _device_indices(accelerator: str, devices: str | int | tuple[int, ...], mach
     if isinstance(devices, int):
         if devices > available:
             raise ValueError(
-                f"devices={devices} but only {available} CUDA device(s) are visible. Use "
-                f"devices={available} or fewer."
+                f"devices={devices} but only {available} CUDA device(s) are visible. Use devices={available} or fewer."
             )
         return tuple(range(devices))
     too_high = [i for i in devices if i >= available]  # type: ignore[union-attr]
@@ -573,8 +569,8 @@ def _strategy_for(request: _Request, accelerator: str, size: _Size, world: World
     if not strategy.multi_process and size.world_size > 1:
         raise ValueError(
             f"strategy={strategy.name!r} runs one process, but the run has "
-            f"{size.world_size} (devices={request.written.devices!r}, num_nodes={size.num_nodes}). Use strategy='ddp', or "
-            "devices=1."
+            f"{size.world_size} (devices={request.written.devices!r}, num_nodes={size.num_nodes}). "
+            "Use strategy='ddp', or devices=1."
         )
     if accelerator not in strategy.accelerators:
         raise ValueError(
@@ -616,7 +612,9 @@ def _start_method(requested: Launcher, strategy: Strategy, machine: Machine) -> 
                 "or 'auto'."
             )
         if machine.script_problem:
-            raise ValueError(f"launch cannot start its workers by re-executing the command line: {machine.script_problem}")
+            raise ValueError(
+                f"launch cannot start its workers by re-executing the command line: {machine.script_problem}"
+            )
         if machine.launched_before:
             raise ValueError(
                 "launcher='script' cannot start a second multi-process launch block in one "

@@ -27,8 +27,7 @@ class _JoinScope(WrapperScope[None]):
     def __init__(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> None:
         if not isinstance(divide_by_initial_world_size, bool):
             raise TypeError(
-                "divide_by_initial_world_size must be True or False, got "
-                f"{divide_by_initial_world_size!r}."
+                f"divide_by_initial_world_size must be True or False, got {divide_by_initial_world_size!r}."
             )
         self.joinables = joinables
         self.divide = divide_by_initial_world_size

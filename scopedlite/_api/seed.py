@@ -17,7 +17,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-__all__ = ["SeedWorker", "Seeding", "current_seed", "current_seeding", "seed_everything", "seed_worker", "seeded_generators"]
+__all__ = [
+    "SeedWorker",
+    "Seeding",
+    "current_seed",
+    "current_seeding",
+    "seed_everything",
+    "seed_worker",
+    "seeded_generators",
+]
 
 _MAX = 2**32 - 1
 

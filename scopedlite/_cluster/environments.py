@@ -21,7 +21,17 @@ from typing import Callable, Mapping
 
 from scopedlite._cluster.hostlist import expand_hostlist, expand_tasks_per_node
 
-__all__ = ["DETECTORS", "ENV", "EXISTING_GROUP", "OURS", "TORCHELASTIC", "World", "derived_port", "detect_world", "existing_group_world"]
+__all__ = [
+    "DETECTORS",
+    "ENV",
+    "EXISTING_GROUP",
+    "OURS",
+    "TORCHELASTIC",
+    "World",
+    "derived_port",
+    "detect_world",
+    "existing_group_world",
+]
 
 
 class ENV:

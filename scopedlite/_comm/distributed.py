@@ -1,10 +1,11 @@
 """torch.distributed plumbing shared by the multi-process strategies.
 
 Process-group creation and teardown (with the rendezvous store), and the four collectives on
-plain tensors: reductions that return a new tensor (the input is never modified), gathers stacked on a new leading dimension, and a
-broadcast that needs nothing of the receivers (they may pass None) because the source first
-sends a small header describing what follows. Objects travel as pickled bytes rather than
-through ``broadcast_object_list``, which needs numpy on the receiving ranks in torch 2.13.
+plain tensors: reductions that return a new tensor (the input is never modified), gathers
+stacked on a new leading dimension, and a broadcast that needs nothing of the receivers (they
+may pass None) because the source first sends a small header describing what follows. Objects
+travel as pickled bytes rather than through ``broadcast_object_list``, which needs numpy on the
+receiving ranks in torch 2.13.
 """
 
 from __future__ import annotations

@@ -123,12 +123,19 @@ class Parent(Role):
                 raise WorkerFailedError(failures)
             gone = [(w.rank, w.poll()) for w in supervisor.workers if w.rank in pending and w.poll() is not None]
             if gone:
-                raise WorkerFailedError([
-                    RankFailure(rank, code, None, f"exited with code {code} before it reached {self.described}"
-                                + (" (did its run of the script take another path?)" if code == 0 else "")
-                                + "; its output, if any, is above")
-                    for rank, code in gone
-                ])
+                raise WorkerFailedError(
+                    [
+                        RankFailure(
+                            rank,
+                            code,
+                            None,
+                            f"exited with code {code} before it reached {self.described}"
+                            + (" (did its run of the script take another path?)" if code == 0 else "")
+                            + "; its output, if any, is above",
+                        )
+                        for rank, code in gone
+                    ]
+                )
             if not pending:
                 break
             if time.monotonic() > deadline:
@@ -155,7 +162,7 @@ class Parent(Role):
                 try:
                     self.final_barrier(run.timeout.total_seconds())
                     run.strategy.stop()
-                except BaseException as e:  # a worker failed while rank 0 was finishing
+                except BaseException as e:  # noqa: BLE001 - a worker failed while rank 0 was finishing
                     exc = e
                 else:
                     failures = supervisor.wait_all(self.plan.timeout.total_seconds())

@@ -65,7 +65,7 @@ class Role(ABC):
     def enter(self) -> Run:
         """Start this process's part of the run and return its :class:`Run`."""
 
-    def quiet(self) -> None:  # noqa: B027
+    def quiet(self) -> None:  # noqa: B027 - a no-op unless the role supervises workers
         """Stop interrupting the main thread asynchronously: the block has ended (a role that
         supervises workers interrupts it when one fails)."""
 
@@ -73,7 +73,9 @@ class Role(ABC):
     def exit(self, exc: BaseException | None) -> bool | None:
         """End this process's part; the return value is the scope's ``__exit__``'s."""
 
-    def start_run(self, world: World, rendezvous: Rendezvous | None, forward: Callable[[int], None] | None = None) -> Run:
+    def start_run(
+        self, world: World, rendezvous: Rendezvous | None, forward: Callable[[int], None] | None = None
+    ) -> Run:
         """Place this process in ``world``, start a fresh copy of the plan's strategy there,
         and handle SIGTERM for the block (``forward``: pass it on to our workers)."""
         plan = self.plan
@@ -122,7 +124,9 @@ class Role(ABC):
         if run.world_size <= 1:
             return
         if debug_enabled():
-            check_same_collective(run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block")
+            check_same_collective(
+                run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block"
+            )
         if store_wait is not None and end_of_block_barrier(run.global_rank, run.world_size, store_wait):
             return
         run.strategy.barrier()
@@ -170,5 +174,5 @@ def stop_quietly(strategy: Any) -> None:
     """Stop ``strategy`` after a failure, whose first error is the one to report."""
     try:
         strategy.stop()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the failure being reported is the one that matters
         pass

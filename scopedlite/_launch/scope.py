@@ -105,7 +105,7 @@ class _Launch(Scope[Run]):
         try:
             assert self.role is not None
             self.role.quiet()
-        except BaseException as late:  # a worker's failure interrupted us as the block ended
+        except BaseException as late:  # noqa: BLE001 - a worker's failure interrupted us as the block ended
             exc = exc if exc is not None else late
         _run.launches.remove(self)
         self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next

@@ -14,7 +14,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["STACK_SIGNAL", "CollectiveTimeoutError", "collect_stacks", "enable_stack_dumps", "looks_like_timeout", "says_timed_out"]
+__all__ = [
+    "STACK_SIGNAL",
+    "CollectiveTimeoutError",
+    "collect_stacks",
+    "enable_stack_dumps",
+    "looks_like_timeout",
+    "says_timed_out",
+]
 
 STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 _open_files: list[IO[str]] = []
@@ -32,7 +39,8 @@ class CollectiveTimeoutError(TimeoutError):
 
         self.stacks = stacks
         lines = [
-            f"A collective timed out on rank 0 ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}). "
+            f"A collective timed out on rank 0 ({type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''}). "
             "Where every rank was (a rank that is not inside the same collective skipped it):",
             "\n--- rank 0 ---\n" + "".join(traceback.format_tb(cause.__traceback__)).rstrip(),
         ]
@@ -41,7 +49,9 @@ class CollectiveTimeoutError(TimeoutError):
             note = ""
             if stack and "in end_of_block_barrier" in stack:
                 note = " (done with the block's body: it waits at the end of the launch block)"
-            lines.append(f"\n--- rank {rank}{note} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)"))
+            lines.append(
+                f"\n--- rank {rank}{note} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)")
+            )
         super().__init__("\n".join(lines))
 
 

@@ -115,6 +115,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
-    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DDPReplay:
+    def join_replayer(
+        self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
+    ) -> DDPReplay:
         refuse_what_join_cannot_replay(models, optimizers)
         return DDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)

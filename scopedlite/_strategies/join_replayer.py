@@ -70,7 +70,14 @@ class Replayer(Protocol):
         """The number of running ranks is now ``count``."""
         ...
 
-    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+    def clip(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float,
+    ) -> Any:
         """The strategy's own ``clip_gradients`` for model ``index`` and ``optimizer``."""
         ...
 

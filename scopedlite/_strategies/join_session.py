@@ -44,8 +44,15 @@ if TYPE_CHECKING:
     from scopedlite._strategies.join_message import Round
 
 __all__ = [
-    "BARRIER", "BROADCAST", "GATHER", "REDUCE",
-    "JoinCollectives", "NoJoin", "PEER_LEFT", "PeerLeftJoinError", "refuse_raw_collectives",
+    "BARRIER",
+    "BROADCAST",
+    "GATHER",
+    "REDUCE",
+    "JoinCollectives",
+    "NoJoin",
+    "PEER_LEFT",
+    "PeerLeftJoinError",
+    "refuse_raw_collectives",
 ]
 
 REDUCE, GATHER, BROADCAST, BARRIER = 1, 2, 3, 4
@@ -150,16 +157,32 @@ class JoinCollectives:
 
 def _describe_tensor(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}.")
+        raise ValueError(
+            f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}."
+        )
     return DTYPES.index(tensor.dtype), tuple(tensor.shape)
 
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
-    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
-    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
 )
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # DeepSpeed's engine talks to torch.distributed from its own files (deepspeed.comm); found
@@ -172,9 +195,17 @@ _DEEPSPEED_DIR = (
 )
 # The scopedlite package (this file is in scopedlite/_strategies/).
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-               "all_gather_single": "all_gather", "all_gather_object": "all_gather", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
-               "barrier": "barrier", "monitored_barrier": "barrier"}
+_EQUIVALENT = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_object": "all_gather",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
+}
 
 
 @contextlib.contextmanager
@@ -214,7 +245,8 @@ def _guarded(name: str, original: Any) -> Any:
                 f"torch.distributed.{name} was called inside lite.join (at "
                 f"{caller.f_code.co_filename}:{caller.f_lineno}). The ranks that have run out of "
                 "data have left the loop and cannot take part, so the ranks would wait for each "
-                f"other until launch(timeout=) ran out, silently. {instead[:1].upper() + instead[1:] if instead else ''}"
+                "other until launch(timeout=) ran out, silently. "
+                f"{instead[:1].upper() + instead[1:] if instead else ''}"
                 f"{'call' if ours else 'Call'} it after the `with lite.join(...)` block: for a "
                 "torchmetrics metric, `metric.update(...)` inside and `metric.compute()` after."
             )

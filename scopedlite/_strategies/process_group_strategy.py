@@ -42,14 +42,10 @@ class ProcessGroupStrategy(Strategy):
     def __init__(self, process_group_backend: str | None = None, start_method: str | None = None) -> None:
         if process_group_backend not in _BACKENDS:
             raise ValueError(
-                f"process_group_backend={process_group_backend!r} is not valid; choose "
-                "'gloo', 'nccl' or None."
+                f"process_group_backend={process_group_backend!r} is not valid; choose 'gloo', 'nccl' or None."
             )
         if start_method not in _START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not valid; choose one of "
-                f"{_START_METHODS[1:]} or None."
-            )
+            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {_START_METHODS[1:]} or None.")
         self.process_group_backend = process_group_backend
         self.start_method = start_method
 
@@ -79,7 +75,9 @@ class ProcessGroupStrategy(Strategy):
         self.placement = placement
         existing = rendezvous.world.is_existing_group  # made before launch: joined, kept
         if existing:
-            self._backend = _distributed.adopt_existing_group(rendezvous.world, self.process_group_backend, placement.accelerator)
+            self._backend = _distributed.adopt_existing_group(
+                rendezvous.world, self.process_group_backend, placement.accelerator
+            )
         else:
             self._backend = self.backend(placement.accelerator)
         self._comm_device = _distributed.comm_device(self._backend, placement.device)
@@ -88,7 +86,11 @@ class ProcessGroupStrategy(Strategy):
             torch.cuda.set_device(placement.device)
         if not existing:
             _distributed.init_process_group(
-                self._backend, rendezvous.world, timeout=placement.timeout, store=rendezvous.store, device=placement.device
+                self._backend,
+                rendezvous.world,
+                timeout=placement.timeout,
+                store=rendezvous.store,
+                device=placement.device,
             )
 
     def stop(self) -> None:
@@ -134,7 +136,9 @@ class ProcessGroupStrategy(Strategy):
         """The optimizers a join over ``models`` mirrors, in setup order."""
         raise NotImplementedError
 
-    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> Replayer:
+    def join_replayer(
+        self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
+    ) -> Replayer:
         """This backend's hooks and replays (checks what it cannot replay first)."""
         raise NotImplementedError
 
@@ -145,7 +149,8 @@ class ProcessGroupStrategy(Strategy):
         on another, and every rank must mirror the same ones."""
         params = {id(p) for model in models for p in model.parameters()}
         return tuple(
-            o for o in optimizers
+            o
+            for o in optimizers
             if o is not None and any(id(p) in params for group in o.param_groups for p in group["params"])
         )
 

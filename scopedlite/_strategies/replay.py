@@ -50,17 +50,17 @@ from scopedlite._comm.distributed import broadcast_any
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import overwrite_buffers
 from scopedlite._strategies.join_events import EventRecorder
+from scopedlite._strategies.join_members import models_in_join
 from scopedlite._strategies.join_message import (
     LENGTH,
-    Action,
     MAX_EVENTS,
+    Action,
     Header,
     Kind,
     Opener,
     Round,
     site_id,
 )
-from scopedlite._strategies.join_members import models_in_join
 from scopedlite._strategies.join_session import (
     PEER_LEFT,
     JoinCollectives,
@@ -136,7 +136,9 @@ class ReplaySession:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
-        self.events = EventRecorder(optimizers, tuple(m for _, m in replayer.zero_grad_owners()), replayer.records_steps)
+        self.events = EventRecorder(
+            optimizers, tuple(m for _, m in replayer.zero_grad_owners()), replayer.records_steps
+        )
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
         self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
@@ -150,9 +152,11 @@ class ReplaySession:
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
-    def __enter__(self) -> ReplaySession:  # noqa: PYI034
+    def __enter__(self) -> ReplaySession:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
-            self._stack.enter_context(models_in_join(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
+            self._stack.enter_context(
+                models_in_join(self.strategy.unwrap(m) for m in self.models)
+            )  # asked by user methods
             self._stack.enter_context(self.replayer.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._stack.callback(self.events.close)
@@ -161,7 +165,9 @@ class ReplaySession:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc_type is None:
                 self._leave()
@@ -187,8 +193,14 @@ class ReplaySession:
                     f"optimizer/scheduler methods after its last forward; at most {MAX_EVENTS} can "
                     "be reported to the other ranks. Move them after the `with lite.join(...)` block."
                 )
-            opener = Opener(Kind.LEFT, ended=self.ended, reports=first, needs=self._needs(), events=events,
-                            values=(float(self.events.scheduler_steps()), 0.0, 0.0))
+            opener = Opener(
+                Kind.LEFT,
+                ended=self.ended,
+                reports=first,
+                needs=self._needs(),
+                events=events,
+                values=(float(self.events.scheduler_steps()), 0.0, 0.0),
+            )
             round_ = self._round(opener)
             if round_.over:
                 self._check_schedulers(round_)
@@ -363,7 +375,14 @@ class ReplaySession:
         lr = self.events.check_lr(optimizer) if optimizer is not None else 0.0
         self._announce(Opener(Kind.STEP, index=index, values=(lr, 0.0, 0.0)))
 
-    def clip_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float = 2.0) -> Any:
+    def clip_gradients(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float = 2.0,
+    ) -> Any:
         """``lite.clip_gradients`` inside the block: serving ranks clip their shards too."""
         index = self.events.index_of(optimizer)
         model = next((m for m, known in enumerate(self.models) if known is module), None)
@@ -374,7 +393,11 @@ class ReplaySession:
                 f"{type(module).__name__}."
             )
         if self.rounds:
-            values = (float(max_norm) if max_norm is not None else -1.0, float(clip_val) if clip_val is not None else -1.0, norm_type)
+            values = (
+                float(max_norm) if max_norm is not None else -1.0,
+                float(clip_val) if clip_val is not None else -1.0,
+                norm_type,
+            )
             self._announce(Opener(Kind.CLIP, index=index, flag=model, values=values))
         return self.replayer.clip(model, optimizer, max_norm, clip_val, norm_type)
 
@@ -436,7 +459,13 @@ class ReplaySession:
             self.replayer.step(step.index)
         elif step.kind == Kind.CLIP:
             max_norm, clip_val, norm_type = step.values
-            self.replayer.clip(step.flag, self.optimizers[step.index], max_norm if max_norm >= 0 else None, clip_val if clip_val >= 0 else None, norm_type)
+            self.replayer.clip(
+                step.flag,
+                self.optimizers[step.index],
+                max_norm if max_norm >= 0 else None,
+                clip_val if clip_val >= 0 else None,
+                norm_type,
+            )
         elif step.kind == Kind.COLLECTIVE:
             self.collectives.serve(round_)
         # PASS, EVENTS: the round was all

@@ -156,7 +156,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self._start_deepspeed(placement, rendezvous)
             # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
             # gathering steps, and a method called on some ranks only is refused (lockstep.py).
-            self._ledger = GatherLedger.of_default_group("deepspeed_stage_3") if self.stage == 3 and placement.world_size > 1 else None
+            self._ledger = (
+                GatherLedger.of_default_group("deepspeed_stage_3")
+                if self.stage == 3 and placement.world_size > 1
+                else None
+            )
         except BaseException:
             self.stop()  # leave no process group or environment variable behind
             raise
@@ -164,14 +168,16 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def _start_deepspeed(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         assert rendezvous is not None
         world = rendezvous.world
-        self._set_env({
-            "RANK": str(world.global_rank),
-            "LOCAL_RANK": str(world.local_rank),
-            "WORLD_SIZE": str(world.world_size),
-            "LOCAL_WORLD_SIZE": str(world.local_world_size),
-            "MASTER_ADDR": world.main_address,
-            "MASTER_PORT": str(world.main_port),
-        })
+        self._set_env(
+            {
+                "RANK": str(world.global_rank),
+                "LOCAL_RANK": str(world.local_rank),
+                "WORLD_SIZE": str(world.world_size),
+                "LOCAL_WORLD_SIZE": str(world.local_world_size),
+                "MASTER_ADDR": world.main_address,
+                "MASTER_PORT": str(world.main_port),
+            }
+        )
         if placement.accelerator == "cpu" and "DS_ACCELERATOR" not in os.environ:
             self._set_env({"DS_ACCELERATOR": "cpu"})  # else DeepSpeed warns while detecting
         before = dict(os.environ)
@@ -401,7 +407,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             )
         return tuple(o for o in optimizers if o is not None)
 
-    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DeepSpeedReplay:
+    def join_replayer(
+        self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
+    ) -> DeepSpeedReplay:
         return DeepSpeedReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
 
     # -- checkpoints: the engine's own folder; any checkpoint loaded (see checkpoint.py) --
@@ -462,8 +470,11 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
 def _input_caster(dtype: torch.dtype) -> Any:
     """A forward pre-hook casting floating inputs to the dtype DeepSpeed holds the model in
     (its bf16/fp16 modes convert the whole model, unlike torch autocast)."""
+
     def cast(_: Any, args: Any, kwargs: Any) -> Any:
-        convert = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() else t
+
         return map_tensors(args, convert), map_tensors(kwargs, convert)
 
     return cast

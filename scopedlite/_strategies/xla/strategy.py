@@ -183,7 +183,7 @@ class _XLABase(OneProcessCollectives, Strategy):
         def read() -> Iterator[Any]:  # runs in ParallelLoader's reading thread
             try:
                 yield from batches
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - handed to the main thread, which raises it
                 failed.append(e)
 
         device = self.placement.device
