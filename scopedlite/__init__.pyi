@@ -50,7 +50,7 @@ from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._plan import Plan as Plan
 from ._plan import resolve as resolve
 from ._strategies.base import Strategy as Strategy
-from ._strategies.ddp import DDPStrategy as DDPStrategy
+from ._strategies.ddp.strategy import DDPStrategy as DDPStrategy
 from ._strategies.deepspeed.checkpoint import (
     consolidate_deepspeed_checkpoint as consolidate_deepspeed_checkpoint,
 )
@@ -58,8 +58,8 @@ from ._strategies.deepspeed.strategy import DeepSpeedStrategy as DeepSpeedStrate
 from ._strategies.fsdp.strategy import FSDPStrategy as FSDPStrategy
 from ._strategies.join_session import PeerLeftJoinError as PeerLeftJoinError
 from ._strategies.lockstep import MethodCalledOnSomeRanksError as MethodCalledOnSomeRanksError
-from ._strategies.model_parallel import ModelParallelStrategy as ModelParallelStrategy
-from ._strategies.single import SingleDeviceStrategy as SingleDeviceStrategy
+from ._strategies.model_parallel.strategy import ModelParallelStrategy as ModelParallelStrategy
+from ._strategies.single.strategy import SingleDeviceStrategy as SingleDeviceStrategy
 from ._strategies.xla.strategy import XLAStrategy as XLAStrategy
 
 __version__: str

@@ -1,6 +1,6 @@
 """What each backend supplies to the join session (``replay.py``): a :class:`Replayer`.
 
-One small class per backend - ``ddp_join.py``, ``fsdp/join.py``, ``deepspeed/join.py`` -
+One small class per backend - ``ddp/join.py``, ``fsdp/join.py``, ``deepspeed/join.py`` -
 installs the hooks through which running ranks announce their steps, and replays those steps
 on a rank that serves. ``ProcessGroupStrategy.join`` (``process_group_strategy.py``) is the one
 template that builds it and hands it to the session.

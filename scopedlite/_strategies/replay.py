@@ -13,7 +13,7 @@ The roles, as in torch's ``join.py``:
   backward, collective step and lite collective in a *round*; a rank that has left the block
   (or waits at a collective the others have not reached yet) serves the rounds until every
   rank has left.
-- :class:`Replayer`: one small class per backend (``ddp_join.py``, ``fsdp/join.py``,
+- :class:`Replayer`: one small class per backend (``ddp/join.py``, ``fsdp/join.py``,
   ``deepspeed/join.py``): its hooks, and how it replays.
 - :class:`~join_message.Opener` / :class:`~join_message.Round`: the message each rank sends at
   the start of a round (an all-gather, on a CPU group under NCCL) and the verdict every rank

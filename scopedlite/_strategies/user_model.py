@@ -9,7 +9,7 @@ class is swapped, after it is built, for a subclass that adds :class:`UserModelV
 - attributes the wrapper does not have are read from (and, if the module has them, written
   to) the user's module;
 - the user's own methods: under DDP plain calls, with DDP's gradient sync prepared only when
-  their result is back-propagated (ddp_methods.py); under DeepSpeed *through the engine's
+  their result is back-propagated (ddp/methods.py); under DeepSpeed *through the engine's
   forward* (the user's ``forward`` is pointed at the method for that one call), so that
   ZeRO-3 gathers the parameters for them;
 - ``state_dict()`` / ``load_state_dict()`` are the user's module's, with its plain keys.
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._strategies.ddp_methods import ddp_method
+from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.join_members import in_join, refuse_backward_in_join, refuse_gather_in_join
 from scopedlite._strategies.method_results import on_backward
 

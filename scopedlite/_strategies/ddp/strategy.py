@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.base import Rendezvous
-from scopedlite._strategies.ddp_join import DDPReplay, refuse_what_join_cannot_replay
+from scopedlite._strategies.ddp.join import DDPReplay, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
