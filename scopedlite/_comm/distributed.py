@@ -248,6 +248,22 @@ def all_gather_tensor(tensor: torch.Tensor, device: torch.device, group: Any = N
     return torch.stack(parts).to(tensor.device)
 
 
+def final_gloo_barrier() -> bool:
+    """The last barrier of a process over a gloo group; False where the group is not gloo.
+
+    ``dist.barrier`` on gloo runs in the group's worker thread and keeps the collectives queued
+    before it alive until that thread frees it, after the barrier has returned. Freeing a
+    tensor that Python also saw takes the GIL; right before exit the interpreter may already be
+    finalizing, and the worker thread then dies inside a destructor: ``terminate called without
+    an active exception`` (SIGABRT), seen intermittently on torch 2.13 under torchrun. gloo's
+    ``monitored_barrier`` sends and receives on the calling thread with a tensor of its own.
+    """
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return False
+    dist.monitored_barrier(wait_all_ranks=True)
+    return True
+
+
 def barrier(backend: str, device: torch.device, group: Any = None) -> None:
     if backend == "nccl":
         dist.barrier(group=group, device_ids=[device.index or 0])

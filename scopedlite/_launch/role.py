@@ -21,7 +21,7 @@ import torch
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
-from scopedlite._comm.distributed import end_of_block_barrier
+from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch.signals import StopSignals
@@ -128,6 +128,8 @@ class Role(ABC):
                 run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block"
             )
         if store_wait is not None and end_of_block_barrier(run.global_rank, run.world_size, store_wait):
+            return
+        if final_gloo_barrier():
             return
         run.strategy.barrier()
 

@@ -235,9 +235,21 @@ def fsdp_cast_forward_inputs(
     method that reads only their metadata (``numel``, ``shape``) works on any subset of ranks;
     that takes the three steps it runs around a method - input cast, ``_pre_forward``,
     ``_post_forward`` - separately, through ``_get_fsdp_state()``, as it does. Checked against
-    torch 2.13 (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``).
+    torch 2.13 (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``) and 2.9.
     """
-    return module._get_fsdp_state()._cast_forward_inputs(args, kwargs)  # type: ignore[operator]
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    cast = getattr(state, "_cast_forward_inputs", None)
+    if cast is not None:
+        return cast(args, kwargs)
+    # torch before 2.13 (checked on 2.9): the same cast, inline in FSDPState._pre_forward.
+    policy = state._mp_policy
+    if not (policy.cast_forward_inputs and policy.param_dtype):
+        return args, kwargs
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
+    from torch.distributed.utils import _apply_to_tensors
+
+    cast_fn = functools.partial(_cast_fp_tensor, policy.param_dtype)
+    return _apply_to_tensors(cast_fn, args), _apply_to_tensors(cast_fn, kwargs)
 
 
 def fsdp_pre_forward(module: torch.nn.Module) -> None:

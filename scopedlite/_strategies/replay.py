@@ -226,7 +226,7 @@ class ReplaySession:
     def _exchange(self, opener: Opener) -> Round:
         row = torch.tensor(opener.encode(), dtype=torch.float64)
         rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
-        dist.all_gather_single(rows, row, group=self.group)
+        dist.all_gather_into_tensor(rows, row, group=self.group)
         return Round(rows.view(self.world_size, LENGTH).tolist())
 
     def _round(self, opener: Opener) -> Round:

@@ -58,15 +58,16 @@ class DDPReplay:
         self.models = models
         self.divide = divide_by_initial_world_size
         self.world_size = world_size
-        self._buffers = [m.forward_sync_buffers for m in models]  # DDP's setting, restored on close
+        self._buffers = [getattr(m, _buffer_flag_name(m)) for m in models]  # DDP's setting, restored on close
         self._synced = [_buffers(m) for m in models]  # the buffers DDP would broadcast
 
     def install(self, session: ReplaySession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, model in enumerate(self.models):
             announce_forwards(stack, session, index, model)
-            model.forward_sync_buffers = False  # synced by the session, from a running rank
-            stack.callback(setattr, model, "forward_sync_buffers", self._buffers[index])
+            name = _buffer_flag_name(model)
+            setattr(model, name, False)  # synced by the session, from a running rank
+            stack.callback(setattr, model, name, self._buffers[index])
         return stack
 
     def module(self, index: int) -> torch.nn.Module:
@@ -173,3 +174,10 @@ def refuse_what_join_cannot_replay(models: tuple[Any, ...], optimizers: tuple[to
                 "ending with identical but wrong parameters). Use a plain optimizer under "
                 "strategy='ddp', or shard optimizer state with strategy='fsdp' / 'deepspeed'."
             )
+
+
+def _buffer_flag_name(model: DistributedDataParallel) -> str:
+    """DDP's public switch for broadcasting buffers in forward: ``forward_sync_buffers`` from
+    torch 2.13 (``broadcast_buffers`` is then a deprecated property over it), ``broadcast_buffers``
+    before."""
+    return "forward_sync_buffers" if "forward_sync_buffers" in vars(model) else "broadcast_buffers"
