@@ -41,16 +41,16 @@ from ._hardware.machine import Machine as Machine
 from ._io.consolidate import consolidate_checkpoint as consolidate_checkpoint
 from ._io.files import CheckpointError as CheckpointError
 from ._launch.scope import launch as launch
-from ._loggers.base import Logger as Logger
-from ._loggers.csv import CSVLogger as CSVLogger
-from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._launch.stacks import CollectiveTimeoutError as CollectiveTimeoutError
 from ._launch.supervise import RankFailure as RankFailure
 from ._launch.supervise import WorkerFailedError as WorkerFailedError
+from ._loggers.base import Logger as Logger
+from ._loggers.csv import CSVLogger as CSVLogger
+from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._plan import Plan as Plan
 from ._plan import resolve as resolve
 from ._strategies.base import Strategy as Strategy
-from ._strategies.ddp import DDPStrategy as DDPStrategy
+from ._strategies.ddp.strategy import DDPStrategy as DDPStrategy
 from ._strategies.deepspeed.checkpoint import (
     consolidate_deepspeed_checkpoint as consolidate_deepspeed_checkpoint,
 )
@@ -58,8 +58,8 @@ from ._strategies.deepspeed.strategy import DeepSpeedStrategy as DeepSpeedStrate
 from ._strategies.fsdp.strategy import FSDPStrategy as FSDPStrategy
 from ._strategies.join_session import PeerLeftJoinError as PeerLeftJoinError
 from ._strategies.lockstep import MethodCalledOnSomeRanksError as MethodCalledOnSomeRanksError
-from ._strategies.model_parallel import ModelParallelStrategy as ModelParallelStrategy
-from ._strategies.single import SingleDeviceStrategy as SingleDeviceStrategy
+from ._strategies.model_parallel.strategy import ModelParallelStrategy as ModelParallelStrategy
+from ._strategies.single.strategy import SingleDeviceStrategy as SingleDeviceStrategy
 from ._strategies.xla.strategy import XLAStrategy as XLAStrategy
 
 __version__: str

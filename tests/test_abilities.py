@@ -116,7 +116,7 @@ REACHED_THROUGH = {
 
 # Public methods of strategy classes that are no ability: called by the strategy's own parts.
 OWN_HELPERS = {
-    "join_models": "the join template's hook (process_group.py): the models join may take",
+    "join_models": "the join template's hook (process_group_strategy.py): the models join may take",
     "join_optimizers": "the join template's hook: the optimizers a join mirrors",
     "join_replayer": "the join template's hook: the backend's replays",
     "engine": "deepspeed: the engine behind a set-up model, for the user (docs: Real models)",

@@ -18,7 +18,7 @@ import torch
 
 import scopedlite as lite
 from scopedlite._strategies.abilities import SupportsJoin, SupportsNoBackwardSync
-from scopedlite._strategies.model_parallel import mesh_shape
+from scopedlite._strategies.model_parallel.strategy import mesh_shape
 from scopedlite._strategies.registry import names_supporting
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))

@@ -158,4 +158,6 @@ def _restore(
         else:
             state[key] = checkpoint.entry(key)
     plain = checkpoint.written_by == "file"
-    return {k: checkpoint.entry(k) for k, kind in checkpoint.kinds.items() if k not in state and (plain or kind == OBJECT)}
+    return {
+        k: checkpoint.entry(k) for k, kind in checkpoint.kinds.items() if k not in state and (plain or kind == OBJECT)
+    }

@@ -65,7 +65,9 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
         process the input itself is returned, as every collective does there.
     """
     if op not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not a reduction scopedlite knows. Valid choices: {', '.join(map(repr, REDUCE_OPS))}.")
+        raise ValueError(
+            f"op={op!r} is not a reduction scopedlite knows. Valid choices: {', '.join(map(repr, REDUCE_OPS))}."
+        )
     run = current()
     if run.world_size == 1:
         return data

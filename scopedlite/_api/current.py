@@ -9,7 +9,7 @@ import torch
 
 from scopedlite._core.precision import PRECISIONS
 from scopedlite._core.run import Placement, Run, active_launch
-from scopedlite._strategies.single import SingleDeviceStrategy
+from scopedlite._strategies.single.strategy import SingleDeviceStrategy
 
 __all__ = ["current"]
 

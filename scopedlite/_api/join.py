@@ -27,8 +27,7 @@ class _JoinScope(WrapperScope[None]):
     def __init__(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> None:
         if not isinstance(divide_by_initial_world_size, bool):
             raise TypeError(
-                "divide_by_initial_world_size must be True or False, got "
-                f"{divide_by_initial_world_size!r}."
+                f"divide_by_initial_world_size must be True or False, got {divide_by_initial_world_size!r}."
             )
         self.joinables = joinables
         self.divide = divide_by_initial_world_size
@@ -51,8 +50,9 @@ class _JoinScope(WrapperScope[None]):
                 f"that support it: {', '.join(repr(s) for s in supported)}."
             )
         self.run: Run = run
-        # The scope stays registered while the session finishes, so collectives issued by
-        # joinable hooks route correctly; the session lets exceptions through untouched.
+        # The scope stays registered while the session finishes (the ranks out of data serve
+        # the others' last rounds there), so what those replays call finds the session as in
+        # the block; the session lets exceptions through untouched.
         self.session = strategy.join(self.joinables, self.divide)
         return self.session, None
 

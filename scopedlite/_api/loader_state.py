@@ -198,7 +198,9 @@ class ResumeCursor:
             self._iterated_here = True
         return iterator
 
-    def counted(self, batches: Iterable[Any], generator_states: collections.deque[torch.Tensor | None] | None = None) -> Iterator[Any]:
+    def counted(
+        self, batches: Iterable[Any], generator_states: collections.deque[torch.Tensor | None] | None = None
+    ) -> Iterator[Any]:
         """Hand out ``batches``, counting them; the pass ends when they run out.
 
         ``generator_states``: under a feed that reads ahead, the state of the loader's
@@ -262,7 +264,9 @@ class ResumeCursor:
         self._pending_entry = entry
         self.epochs.restore(epoch)
 
-    def _pending_pass(self, epoch: int, ranks: list[dict[str, Any]], mine: dict[str, Any] | None, world_size: int) -> Pending:
+    def _pending_pass(
+        self, epoch: int, ranks: list[dict[str, Any]], mine: dict[str, Any] | None, world_size: int
+    ) -> Pending:
         before = Interrupted.from_state(ranks[0]["resumed"])
         if len(ranks) == world_size and mine is not None:
             reshard = mine.get("reshard_seed")

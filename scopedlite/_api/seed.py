@@ -1,4 +1,4 @@
-"""``lite.seed_everything``: one seed for Python, numpy (if installed) and torch.
+"""``lite.seed_everything``: one seed for Python, numpy and torch.
 
 Also the two places where scopedlite itself seeds those generators: while a sampler draws its
 order (so every rank draws the same one) and in each DataLoader worker (so workers differ per
@@ -14,9 +14,18 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
-__all__ = ["SeedWorker", "Seeding", "current_seed", "current_seeding", "seed_everything", "seed_worker", "seeded_generators"]
+__all__ = [
+    "SeedWorker",
+    "Seeding",
+    "current_seed",
+    "current_seeding",
+    "seed_everything",
+    "seed_worker",
+    "seeded_generators",
+]
 
 _MAX = 2**32 - 1
 
@@ -49,9 +58,7 @@ def seed_everything(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX:
         raise ValueError(f"seed={seed!r} is not valid: it must be an int in 0..{_MAX}.")
     random.seed(seed)
-    np = _numpy()
-    if np is not None:
-        np.random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every device as well
     _seeding.set(Seeding(seed))
     return seed
@@ -67,14 +74,6 @@ def current_seeding() -> Seeding:
     return _seeding.get()
 
 
-def _numpy() -> Any:
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    return np
-
-
 @contextlib.contextmanager
 def seeded_generators(seed: int) -> Iterator[None]:
     """Seed torch's, Python's and numpy's global generators with ``seed`` for the block only.
@@ -83,20 +82,17 @@ def seeded_generators(seed: int) -> Iterator[None]:
     every rank agrees on makes every rank draw the same order, which sharding relies on. Their
     states are restored afterwards, so the user's own random stream is not disturbed.
     """
-    np = _numpy()
     python_state = random.getstate()
-    numpy_state = np.random.get_state() if np is not None else None
+    numpy_state = np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
-        if np is not None:
-            np.random.seed(seed % 2**32)
+        np.random.seed(seed % 2**32)
         try:
             yield
         finally:
             random.setstate(python_state)
-            if np is not None:
-                np.random.set_state(numpy_state)
+            np.random.set_state(numpy_state)
 
 
 def _worker_seed(base_seed: int, worker_id: int, global_rank: int, library: str) -> int:
@@ -115,10 +111,8 @@ def seed_worker(base_seed: int, worker_id: int, global_rank: int) -> None:
     """
     torch.manual_seed(_worker_seed(base_seed, worker_id, global_rank, "torch") % 2**63)
     random.seed(_worker_seed(base_seed, worker_id, global_rank, "random"))
-    np = _numpy()
-    if np is not None:
-        seed = _worker_seed(base_seed, worker_id, global_rank, "numpy")
-        np.random.seed([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)])
+    seed = _worker_seed(base_seed, worker_id, global_rank, "numpy")
+    np.random.seed([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)])
 
 
 class SeedWorker:

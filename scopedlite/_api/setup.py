@@ -138,8 +138,7 @@ def backward(loss: torch.Tensor, *args: Any, model: torch.nn.Module | None = Non
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"lite.backward(loss, model=...) takes the model returned by lite.setup, got "
-            f"{type(model).__name__}."
+            f"lite.backward(loss, model=...) takes the model returned by lite.setup, got {type(model).__name__}."
         )
     strategy = current().strategy
     if isinstance(strategy, SupportsModelBackward):

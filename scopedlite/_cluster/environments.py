@@ -21,7 +21,17 @@ from typing import Callable, Mapping
 
 from scopedlite._cluster.hostlist import expand_hostlist, expand_tasks_per_node
 
-__all__ = ["DETECTORS", "ENV", "EXISTING_GROUP", "World", "derived_port", "detect_world", "existing_group_world"]
+__all__ = [
+    "DETECTORS",
+    "ENV",
+    "EXISTING_GROUP",
+    "OURS",
+    "TORCHELASTIC",
+    "World",
+    "derived_port",
+    "detect_world",
+    "existing_group_world",
+]
 
 
 class ENV:
@@ -33,15 +43,24 @@ class ENV:
     PARENT_PID = "SCOPEDLITE_PARENT_PID"
 
 
+# The makers of a world that launch treats in a way of its own (World.is_ours, ...).
+OURS = "scopedlite"  # a worker our launcher started
+TORCHELASTIC = "torchelastic"  # torchrun
+EXISTING_GROUP = "process_group"  # a default process group made before launch
+
+
 @dataclass(frozen=True)
 class World:
     """An existing world this process is a member of.
 
     Attributes:
-        source: Who made it: ``"scopedlite"`` (a worker of ours), ``"torchelastic"``,
-            ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"lsf"``, ``"kubeflow"``, or
-            ``"process_group"`` (:data:`EXISTING_GROUP`: a default process group made before
-            ``launch``, by Ray Train, a framework or the script; launch never destroys it).
+        source: Who made it: ``"scopedlite"`` (:data:`OURS`: a worker of ours),
+            ``"torchelastic"`` (:data:`TORCHELASTIC`), ``"slurm"``, ``"openmpi"``,
+            ``"mpich"``, ``"lsf"``, ``"kubeflow"``, or ``"process_group"``
+            (:data:`EXISTING_GROUP`: a default process group made before ``launch``, by Ray
+            Train, a framework or the script; launch never destroys it). Code that treats one
+            of them apart asks :attr:`is_ours`, :attr:`is_torchelastic` or
+            :attr:`is_existing_group`; the name itself is for messages.
         global_rank, local_rank, node_rank, world_size, local_world_size: As in torchrun.
         main_address, main_port: Where rank 0's rendezvous store listens.
         num_nodes: Number of nodes when the environment says so (SLURM may place different
@@ -57,6 +76,21 @@ class World:
     main_address: str
     main_port: int
     num_nodes: int = 0
+
+    @property
+    def is_ours(self) -> bool:
+        """A worker our launcher started: rank 0 (the user's process) hosts the store."""
+        return self.source == OURS
+
+    @property
+    def is_torchelastic(self) -> bool:
+        """Started by torchrun, whose agent hosts the store (``env://``)."""
+        return self.source == TORCHELASTIC
+
+    @property
+    def is_existing_group(self) -> bool:
+        """A default process group made before launch: joined as it is, never destroyed."""
+        return self.source == EXISTING_GROUP
 
 
 def _int(env: Mapping[str, str], name: str, source: str) -> int:
@@ -90,14 +124,14 @@ def _standard_world(env: Mapping[str, str], source: str) -> World:
 def _ours(env: Mapping[str, str]) -> World | None:
     if ENV.TOKEN not in env:
         return None
-    return _standard_world(env, "scopedlite")
+    return _standard_world(env, OURS)
 
 
 def _torchelastic(env: Mapping[str, str]) -> World | None:
     # torchrun always sets TORCHELASTIC_RUN_ID; RANK alone could be anything.
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
-    return _standard_world(env, "torchelastic")
+    return _standard_world(env, TORCHELASTIC)
 
 
 def derived_port(job_id: str) -> int:
@@ -335,9 +369,7 @@ def detect_world(env: Mapping[str, str]) -> World | None:
     return None
 
 
-EXISTING_GROUP = "process_group"
-
-_ALWAYS_JOINED = ("scopedlite", "torchelastic", EXISTING_GROUP)
+_ALWAYS_JOINED = (OURS, TORCHELASTIC, EXISTING_GROUP)
 
 
 def existing_group_world(env: Mapping[str, str], rank: int, size: int) -> World:

@@ -80,8 +80,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if match is None:
             raise ValueError(
-                f"Malformed SLURM tasks-per-node list {text!r}: expected items like '2' or "
-                f"'2(x3)', got {item!r}."
+                f"Malformed SLURM tasks-per-node list {text!r}: expected items like '2' or '2(x3)', got {item!r}."
             )
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts

@@ -122,8 +122,7 @@ def precision_for(name: object, argument: str = "precision") -> Precision:
         if key in _OTHER_NAMES:
             where, replacement = _OTHER_NAMES[key]
             raise ValueError(
-                f"{argument}={name!r} is {where}; scopedlite writes it as Fabric does: "
-                f"{argument}={replacement!r}."
+                f"{argument}={name!r} is {where}; scopedlite writes it as Fabric does: {argument}={replacement!r}."
             )
     raise ValueError(
         f"{argument}={name!r} is not a precision scopedlite knows. "

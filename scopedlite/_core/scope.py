@@ -23,9 +23,7 @@ _R = TypeVar("_R")
 
 # The chain of scopes open in this context, outermost first. Immutable tuples, so a copied
 # context (a thread started through `carry`) extends its own chain without touching ours.
-_open: contextvars.ContextVar[tuple[Scope[Any], ...]] = contextvars.ContextVar(
-    "scopedlite.open_scopes", default=()
-)
+_open: contextvars.ContextVar[tuple[Scope[Any], ...]] = contextvars.ContextVar("scopedlite.open_scopes", default=())
 
 
 class ScopeError(RuntimeError):

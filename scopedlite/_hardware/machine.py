@@ -92,9 +92,7 @@ def _outside_a_session() -> bool:
     main = sys.modules.get("__main__")
     if main is None or hasattr(sys, "ps1") or sys.flags.interactive:
         return False
-    if "ipykernel" in sys.modules or "IPython" in sys.modules and _in_ipython():
-        return False
-    return True
+    return not ("ipykernel" in sys.modules or ("IPython" in sys.modules and _in_ipython()))
 
 
 def _in_ipython() -> bool:

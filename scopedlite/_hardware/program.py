@@ -136,7 +136,9 @@ def rebuild(
     """
     if not orig_argv or not executable:
         what = "sys.orig_argv is empty" if not orig_argv else "sys.executable is empty"
-        return Program("", problem=f"this interpreter was not started from a command line ({what}: an embedding host). {WAY_OUT}")
+        return Program(
+            "", problem=f"this interpreter was not started from a command line ({what}: an embedding host). {WAY_OUT}"
+        )
     try:
         typed = parse_command_line(orig_argv)
     except ValueError as e:

@@ -22,7 +22,6 @@ __all__ = ["TORCH_FOR_XLA", "import_torch_xla", "xla_device_count", "xla_import_
 
 # The torch release the torch-xla we test against (2.9.0) is built for.
 TORCH_FOR_XLA = "2.9.0"
-XLA_PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
 
 # Google's PCI vendor id and the device ids of TPU chips (v2/v3, v4, v5e, v6e, test, 7x), as
 # torch_xla 2.9's own chip count reads them: a local file read, no network.

@@ -228,7 +228,7 @@ class Checkpoint(ABC):
     def __contains__(self, key: str) -> bool:
         return key in self.kinds
 
-    def __enter__(self) -> Checkpoint:
+    def __enter__(self) -> Checkpoint:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -44,10 +44,19 @@ _FORMAT = 2
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
-def client_state(order: list[str], kinds: dict[str, str], engine: str, optimizer: str | None, entries: dict[str, Any]) -> dict[str, Any]:
+def client_state(
+    order: list[str], kinds: dict[str, str], engine: str, optimizer: str | None, entries: dict[str, Any]
+) -> dict[str, Any]:
     """What ``lite.save`` hands the engine as client state: the entries that are not the
     engine and its optimizer, and which keys those two were."""
-    return {"format": _FORMAT, "order": order, "kinds": kinds, "engine": engine, "optimizer": optimizer, "entries": entries}
+    return {
+        "format": _FORMAT,
+        "order": order,
+        "kinds": kinds,
+        "engine": engine,
+        "optimizer": optimizer,
+        "entries": entries,
+    }
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,9 @@ class DeepSpeedFolder(Checkpoint):
             match = _OPTIM_FILE.fullmatch(file.name)
             if match:
                 if int(match.group(2)) != 0:
-                    raise CheckpointError(f"{self.path} was written with model (tensor) parallelism, which lite.load cannot reshape.")
+                    raise CheckpointError(
+                        f"{self.path} was written with model (tensor) parallelism, which lite.load cannot reshape."
+                    )
                 found[int(match.group(1))] = file
         if sorted(found) != list(range(world_size)):
             raise CheckpointError(
@@ -121,6 +132,7 @@ class DeepSpeedFolder(Checkpoint):
     def opened_ranks(self) -> Iterator[dict[int, Any]]:
         """The optimizer files' contents, each opened (memory-mapped) when first asked for and
         let go of when the block ends: what one read touches is all that stays mapped."""
+
         class Lazy(dict):  # type: ignore[type-arg]
             def __missing__(inner, rank: int) -> Any:
                 inner[rank] = self.load_file(self.optim_files[rank])["optimizer_state_dict"]
@@ -261,7 +273,9 @@ class _EngineTensors(Tensors):
     def __init__(self, folder: DeepSpeedFolder, module: dict[str, Any]) -> None:
         self.folder = folder
         trainable = {name: torch.Size(shape) for shapes in folder.groups() for name, shape in shapes.items()}
-        self.frozen = {name: torch.Size(shape) for name, shape in (folder.model.get("frozen_param_shapes") or {}).items()}
+        self.frozen = {
+            name: torch.Size(shape) for name, shape in (folder.model.get("frozen_param_shapes") or {}).items()
+        }
         self.aliases = dict(folder.model.get("shared_params") or {})
         self.saved = module
         info: dict[Hashable, TensorInfo] = {}
@@ -282,9 +296,11 @@ class _EngineTensors(Tensors):
             info = self._known(key)
             source = self.aliases.get(str(key), str(key))
             if source in self.trainable:
-                out.append(_boxed(lambda a, b: self.folder.read_pieces([(source, "fp32", a, b)])[0], info, box))
+                out.append(
+                    _boxed(lambda a, b, source=source: self.folder.read_pieces([(source, "fp32", a, b)])[0], info, box)
+                )
             elif source in self.frozen:
-                out.append(_boxed(lambda a, b: _frozen(self.folder, source, a, b), info, box))
+                out.append(_boxed(lambda a, b, source=source: _frozen(self.folder, source, a, b), info, box))
             else:
                 tensor = self.saved[key]
                 out.append(tensor if box is None else box.of(tensor))
@@ -301,7 +317,9 @@ class _StateTensors(Tensors):
         for key, box in parts:
             info = self._known(key)
             name, what = key  # type: ignore[misc]
-            out.append(_boxed(lambda a, b: self.folder.read_pieces([(name, what, a, b)])[0], info, box))
+            out.append(
+                _boxed(lambda a, b, name=name, what=what: self.folder.read_pieces([(name, what, a, b)])[0], info, box)
+            )
         return out
 
 
@@ -339,4 +357,3 @@ def _frozen(folder: DeepSpeedFolder, name: str, start: int, stop: int) -> torch.
         lo, hi = max(start, rank * size), min(stop, (rank + 1) * size, numel)
         chunks.append(fragment[lo - rank * size : hi - rank * size].clone())
     return torch.cat(chunks) if chunks else torch.empty(0)
-

@@ -33,9 +33,13 @@ def kind_of(value: Any) -> str:
     """What a file's entry looks like: an optimizer's or a module's state dict, or an object."""
     if isinstance(value, Mapping) and {"state", "param_groups"} <= set(value):
         return OPTIMIZER
-    if isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value):
-        if any(isinstance(v, torch.Tensor) for v in value.values()):
-            return MODULE
+    if (
+        isinstance(value, Mapping)
+        and value
+        and all(isinstance(k, str) for k in value)
+        and any(isinstance(v, torch.Tensor) for v in value.values())
+    ):
+        return MODULE
     return OBJECT
 
 

@@ -80,7 +80,7 @@ def read(path: str | os.PathLike[str], weights_only: bool, mmap: bool = False) -
         if mmap and "mmap" in str(e):  # written by torch.save's legacy (non-zip) format
             return read(path, weights_only)
         raise CheckpointError(_incomplete(path, e)) from e
-    except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways, all of them this
+    except Exception as e:  # a damaged file fails in many ways, all of them this
         raise CheckpointError(_incomplete(path, e)) from e
 
 

@@ -37,7 +37,7 @@ class PretrainedWeights:
         self._files = {file: safe_open(str(file), framework="pt", device="cpu") for file in _files_of(self.path)}
         self._where: dict[str, Any] = {}
         for handle in self._files.values():
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict: keys() is all it has
                 self._where[name] = handle
 
     def names(self) -> set[str]:
@@ -71,7 +71,9 @@ class PretrainedWeights:
 def _files_of(path: Path) -> list[Path]:
     if path.is_file():
         if path.suffix != ".safetensors":
-            raise ValueError(f"{path} is not a .safetensors file; pass a save_pretrained folder or a .safetensors file.")
+            raise ValueError(
+                f"{path} is not a .safetensors file; pass a save_pretrained folder or a .safetensors file."
+            )
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"No pretrained weights at {path}: no such file or folder.")

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
-from scopedlite._comm.process_group import START_TIMEOUT_ENV, ready_key, start_timeout
+from scopedlite._comm.distributed import START_TIMEOUT_ENV, ready_key, start_timeout
 from scopedlite._core.run import Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch import history
@@ -123,12 +123,19 @@ class Parent(Role):
                 raise WorkerFailedError(failures)
             gone = [(w.rank, w.poll()) for w in supervisor.workers if w.rank in pending and w.poll() is not None]
             if gone:
-                raise WorkerFailedError([
-                    RankFailure(rank, code, None, f"exited with code {code} before it reached {self.described}"
-                                + (" (did its run of the script take another path?)" if code == 0 else "")
-                                + "; its output, if any, is above")
-                    for rank, code in gone
-                ])
+                raise WorkerFailedError(
+                    [
+                        RankFailure(
+                            rank,
+                            code,
+                            None,
+                            f"exited with code {code} before it reached {self.described}"
+                            + (" (did its run of the script take another path?)" if code == 0 else "")
+                            + "; its output, if any, is above",
+                        )
+                        for rank, code in gone
+                    ]
+                )
             if not pending:
                 break
             if time.monotonic() > deadline:
@@ -157,7 +164,7 @@ class Parent(Role):
                     # failed never reaches the end of the block: stop waiting for it.
                     self.final_barrier(run.timeout.total_seconds(), check=supervisor.raise_if_failed)
                     run.strategy.stop()
-                except BaseException as e:  # a worker failed while rank 0 was finishing
+                except BaseException as e:  # noqa: BLE001 - a worker failed while rank 0 was finishing
                     exc = e
                 else:
                     failures = supervisor.wait_all(self.plan.timeout.total_seconds())

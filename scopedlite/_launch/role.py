@@ -21,7 +21,7 @@ import torch
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
-from scopedlite._comm.process_group import end_of_block_barrier, final_gloo_barrier
+from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch.signals import StopSignals
@@ -65,7 +65,7 @@ class Role(ABC):
     def enter(self) -> Run:
         """Start this process's part of the run and return its :class:`Run`."""
 
-    def quiet(self) -> None:  # noqa: B027
+    def quiet(self) -> None:  # noqa: B027 - a no-op unless the role supervises workers
         """Stop interrupting the main thread asynchronously: the block has ended (a role that
         supervises workers interrupts it when one fails)."""
 
@@ -73,7 +73,9 @@ class Role(ABC):
     def exit(self, exc: BaseException | None) -> bool | None:
         """End this process's part; the return value is the scope's ``__exit__``'s."""
 
-    def start_run(self, world: World, rendezvous: Rendezvous | None, forward: Callable[[int], None] | None = None) -> Run:
+    def start_run(
+        self, world: World, rendezvous: Rendezvous | None, forward: Callable[[int], None] | None = None
+    ) -> Run:
         """Place this process in ``world``, start a fresh copy of the plan's strategy there,
         and handle SIGTERM for the block (``forward``: pass it on to our workers)."""
         plan = self.plan
@@ -112,7 +114,7 @@ class Role(ABC):
         """Every rank reached the end of the block before any leaves it.
 
         In a run we started, the ranks meet through the store for up to ``store_wait``
-        seconds (see :func:`scopedlite._comm.process_group.end_of_block_barrier`), so the rank
+        seconds (see :func:`scopedlite._comm.distributed.end_of_block_barrier`), so the rank
         that times out first can report where everyone was; elsewhere through the strategy.
         With ``SCOPEDLITE_DEBUG=1`` the end of the block is checked like any collective of
         ours, so a rank still in a collective is named at once. ``check`` is called while the
@@ -123,7 +125,9 @@ class Role(ABC):
         if run.world_size <= 1:
             return
         if debug_enabled():
-            check_same_collective(run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block")
+            check_same_collective(
+                run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block"
+            )
         if store_wait is not None and end_of_block_barrier(run.global_rank, run.world_size, store_wait, check):
             return
         if final_gloo_barrier():
@@ -173,5 +177,5 @@ def stop_quietly(strategy: Any) -> None:
     """Stop ``strategy`` after a failure, whose first error is the one to report."""
     try:
         strategy.stop()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the failure being reported is the one that matters
         pass

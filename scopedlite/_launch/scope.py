@@ -85,7 +85,7 @@ class _Launch(Scope[Run]):
         self.role = self._role_for(plan, identity)
         run = self.role.enter()
         self.metrics = MetricLog(plan.loggers, write=run.is_global_zero)
-        _run.launches.add(self)  # threads started in the block find the run (core/run.py)
+        _run.launches.add(self)  # threads started in the block find the run (_core/run.py)
         return run
 
     def _role_for(self, plan: Plan, identity: str) -> Role:
@@ -93,7 +93,7 @@ class _Launch(Scope[Run]):
             return Solo(plan)
         if plan.launcher == "join":
             assert plan.world is not None
-            return Worker.re_executed(plan) if plan.world.source == "scopedlite" else External(plan)
+            return Worker.re_executed(plan) if plan.world.is_ours else External(plan)
         return Parent(plan, identity, self.describe()).spawn()
 
     def _exit(
@@ -105,7 +105,7 @@ class _Launch(Scope[Run]):
         try:
             assert self.role is not None
             self.role.quiet()
-        except BaseException as late:  # a worker's failure interrupted us as the block ended
+        except BaseException as late:  # noqa: BLE001 - a worker's failure interrupted us as the block ended
             exc = exc if exc is not None else late
         _run.launches.remove(self)
         self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next

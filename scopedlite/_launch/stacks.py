@@ -14,7 +14,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["STACK_SIGNAL", "CollectiveTimeoutError", "collect_stacks", "enable_stack_dumps", "looks_like_timeout"]
+__all__ = [
+    "STACK_SIGNAL",
+    "CollectiveTimeoutError",
+    "collect_stacks",
+    "enable_stack_dumps",
+    "looks_like_timeout",
+    "says_timed_out",
+]
 
 STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 _open_files: list[IO[str]] = []
@@ -32,7 +39,8 @@ class CollectiveTimeoutError(TimeoutError):
 
         self.stacks = stacks
         lines = [
-            f"A collective timed out on rank 0 ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}). "
+            f"A collective timed out on rank 0 ({type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''}). "
             "Where every rank was (a rank that is not inside the same collective skipped it):",
             "\n--- rank 0 ---\n" + "".join(traceback.format_tb(cause.__traceback__)).rstrip(),
         ]
@@ -41,7 +49,9 @@ class CollectiveTimeoutError(TimeoutError):
             note = ""
             if stack and "in end_of_block_barrier" in stack:
                 note = " (done with the block's body: it waits at the end of the launch block)"
-            lines.append(f"\n--- rank {rank}{note} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)"))
+            lines.append(
+                f"\n--- rank {rank}{note} ---\n" + (stack.rstrip() if stack else "(no stack: the rank did not answer)")
+            )
         super().__init__("\n".join(lines))
 
 
@@ -80,10 +90,13 @@ def collect_stacks(workers: list[Any], error_dir: Path, wait: float = 1.0) -> di
 
 
 def looks_like_timeout(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective or store wait that ran out of time (gloo: "Timed out
-    waiting ...", the store: "... timed out ..." / "Socket Timeout"), not any error whose
+    """Whether ``exc`` is a collective or store wait that ran out of time, not any error whose
     message mentions a timeout."""
-    if isinstance(exc, TimeoutError):
-        return True
-    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or says_timed_out(str(exc))
+
+
+def says_timed_out(message: str) -> bool:
+    """Whether an error message says a collective or store wait ran out of time (gloo: "Timed
+    out waiting ...", the store: "... timed out ..." / "Socket Timeout" / "Wait timeout")."""
+    text = message.lower()
     return "timed out" in text or "socket timeout" in text or "wait timeout" in text

@@ -45,7 +45,9 @@ def script_command() -> tuple[list[str], str | None]:
     """
     program = this_program()
     if program.command is None:
-        raise ValueError(f"launcher='script' cannot start the workers: {program.problem or 'there is no command line to re-run.'}")
+        raise ValueError(
+            f"launcher='script' cannot start the workers: {program.problem or 'there is no command line to re-run.'}"
+        )
     return list(program.command), program.directory
 
 

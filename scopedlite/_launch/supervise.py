@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from scopedlite._core.scope import Scope
-from scopedlite._launch.stacks import collect_stacks
+from scopedlite._launch.stacks import collect_stacks, says_timed_out
 
-__all__ = ["RankFailure", "Supervisor", "WorkerFailedError", "set_parent_death_signal"]
+__all__ = ["RankFailure", "Supervisor", "WorkerFailedError", "is_consequence", "set_parent_death_signal"]
 
 POLL_SECONDS = 0.05
 
@@ -58,7 +58,7 @@ class RankFailure:
         """Whether the rank failed because a collective (or the end-of-block wait) timed out."""
         lines = (self.traceback or "").strip().splitlines()
         text = f"{self.reason or ''} {lines[-1] if lines else ''}".lower()
-        return "timed out" in text or "socket timeout" in text or "wait timeout" in text or "timeouterror" in text
+        return says_timed_out(text) or "timeouterror" in text
 
     def summary(self) -> str:
         if self.reason:
@@ -111,7 +111,11 @@ class _Interrupted(BaseException):
     in user code must not swallow it)."""
 
 
-class Worker(Protocol):
+class WorkerProcess(Protocol):
+    """A worker process as the supervisor watches it (:class:`PopenWorker`,
+    :class:`ForkedWorker`); the code that runs inside it is the ``Worker`` role
+    (``worker.py``)."""
+
     rank: int
     pid: int
 
@@ -167,7 +171,7 @@ class ForkedWorker:
         return self._returncode
 
 
-def _kill(worker: Worker) -> None:
+def _kill(worker: WorkerProcess) -> None:
     # Each worker leads its own process group: this also stops its children (data loaders).
     for kill in (os.killpg, os.kill):
         try:
@@ -180,7 +184,7 @@ def _kill(worker: Worker) -> None:
 class Supervisor:
     """Polls workers, stops them all on the first failure, and reports every failed rank."""
 
-    def __init__(self, workers: list[Worker], error_dir: Path) -> None:
+    def __init__(self, workers: list[WorkerProcess], error_dir: Path) -> None:
         self.workers = workers
         self.error_dir = error_dir
         self._lock = threading.Lock()
@@ -259,7 +263,7 @@ class Supervisor:
             return
         except OSError:
             return
-        # Ctrl-C stops everything; a first SIGTERM only asks for a clean stop (see _stop.py,
+        # Ctrl-C stops everything; a first SIGTERM only asks for a clean stop (see signals.py,
         # whose handler forwards it to the workers), a second one stops everything.
         self._sigterms += data.count(signal.SIGTERM)
         if signal.SIGINT in data or self._sigterms >= 2:
@@ -275,7 +279,7 @@ class Supervisor:
             raise _Interrupted()
 
     # -- queries and actions ---------------------------------------------------------------
-    def _first_bad_exit(self) -> Worker | None:
+    def _first_bad_exit(self) -> WorkerProcess | None:
         for worker in self.workers:
             code = worker.poll()
             if worker.pid in self._killed or code is None:
@@ -314,7 +318,7 @@ class Supervisor:
             trace = self._traceback_of(worker.rank)
             if trace is not None or (code not in (None, 0) and worker.pid not in self._killed):
                 found.append(RankFailure(worker.rank, code, trace, self._reason_of(worker.rank)))
-        causes = [f for f in found if not _is_consequence(f)]
+        causes = [f for f in found if not is_consequence(f)]
         return causes or found
 
     def _traceback_of(self, rank: int) -> str | None:
@@ -377,12 +381,8 @@ _CONSEQUENCES = (
 
 
 def is_consequence(failure: RankFailure) -> bool:
-    """Whether a rank failed only because another one did (see :data:`_CONSEQUENCES`)."""
-    return _is_consequence(failure)
-
-
-def _is_consequence(failure: RankFailure) -> bool:
-    """Whether a rank failed only because a peer went away (its collective broke)."""
+    """Whether a rank failed only because another one did: a peer went away and broke its
+    collective (see :data:`_CONSEQUENCES`)."""
     trace = failure.traceback or ""
     return any(marker in trace for marker in _CONSEQUENCES)
 

@@ -28,8 +28,18 @@ __all__ = ["WORKER_VARIABLES", "Worker", "write_failure"]
 # What our launcher puts in a worker's environment (scopedlite._launch.start), except
 # OMP_NUM_THREADS, which is the program's to keep.
 WORKER_VARIABLES = (
-    ENV.TOKEN, ENV.SITE, ENV.ERROR_FILE, ENV.PARENT_PID, "RANK", "LOCAL_RANK", "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+    ENV.TOKEN,
+    ENV.SITE,
+    ENV.ERROR_FILE,
+    ENV.PARENT_PID,
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 
 # How much longer than rank 0 a worker waits at the end of the block: when one rank skipped
@@ -90,7 +100,7 @@ class Worker(Role):
             assert self.world is not None
             install_rank_prefix(self.world.global_rank)
             run = self.start_run(self.world, Rendezvous(self.world))
-        except BaseException as e:  # report it to rank 0 like any failure in the block
+        except BaseException as e:  # noqa: BLE001 - report it to rank 0 like any failure in the block
             write_failure(self.error_file, e)
             os._exit(1)
         if self.error_file:
@@ -107,7 +117,7 @@ class Worker(Role):
         if exc is None:
             try:
                 self.final_barrier(run.timeout.total_seconds() + WORKER_GRACE_S)
-            except BaseException as e:  # a peer failed while we were finishing
+            except BaseException as e:  # noqa: BLE001 - a peer failed while we were finishing
                 exc, code = e, 1
         if exc is not None:
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1

@@ -127,10 +127,9 @@ class MetricLog:
         for logger in self.loggers:
             try:
                 logger.finalize("failed" if failed else "success")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - one logger's failure must not lose the others' values
                 warnings.warn(
-                    f"{logger!r}.finalize() failed, so its last values may be missing: "
-                    f"{type(e).__name__}: {e}",
+                    f"{logger!r}.finalize() failed, so its last values may be missing: {type(e).__name__}: {e}",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -41,7 +41,7 @@ class CSVLogger:
         keep = self.append and self.path.exists() and self.path.stat().st_size > 0
         # Line-buffered: each row reaches the file as it is logged, so `tail -f` follows the
         # run and a killed process loses nothing; metrics are logged seldom enough for that.
-        self._file = open(self.path, "a" if keep else "w", newline="", buffering=1)
+        self._file = open(self.path, "a" if keep else "w", newline="", buffering=1)  # noqa: SIM115 - closed by finalize
         self._writer = csv.writer(self._file)
         if not keep:
             self._writer.writerow(HEADER)

@@ -101,7 +101,7 @@ class OpFacts:
     takes_generator: bool
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def op_facts(func: Any) -> OpFacts:
     """Read an aten operation's schema: random or not, factory or not, which arguments it writes.
 
@@ -224,7 +224,9 @@ def prepare_ddp_backward(ddp: Any, outputs: list[torch.Tensor]) -> None:
     ddp.reducer.prepare_for_backward(outputs if ddp.find_unused_parameters and not ddp.static_graph else [])
 
 
-def fsdp_cast_forward_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def fsdp_cast_forward_inputs(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments of a call of ``module``'s own method, cast as FSDP2 casts forward's.
 
     Why private (with :func:`fsdp_pre_forward` and :func:`fsdp_post_forward`): FSDP2's public

@@ -23,8 +23,8 @@ import torch
 
 from scopedlite._core.init import on_device, skip_init
 from scopedlite._io.canonical import OptimizerEntry, Tensors
-from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._io.pretrained import PretrainedWeights
+from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.weights import load_weights
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["REDUCE_OPS", "ReduceOp", "Rendezvous", "Strategy"]
 
 ReduceOp = str
+# The reductions lite.all_reduce takes. A join round names one by its index here.
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
@@ -76,7 +77,7 @@ class Strategy(ABC):
         """A copy of this configured strategy for one run (its state starts empty)."""
         return copy.copy(self)
 
-    def check(self, accelerator: str, world_size: int, precision: str) -> None:  # noqa: B027
+    def check(self, accelerator: str, world_size: int, precision: str) -> None:  # noqa: B027 - a strategy without limits overrides nothing
         """Raise ``ValueError`` if this strategy cannot run this configuration.
 
         Called by the resolver before anything starts; the default accepts everything that
@@ -91,7 +92,7 @@ class Strategy(ABC):
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         """Bring the strategy up at ``placement`` (e.g. create the process group)."""
 
-    def stop(self) -> None:  # noqa: B027
+    def stop(self) -> None:  # noqa: B027 - nothing to release unless start acquired it
         """Release what :meth:`start` acquired. Must be safe to call after a failure."""
 
     # -- modules and optimizers ---------------------------------------------------------

@@ -28,7 +28,9 @@ __all__ = ["EventRecorder", "wrap_method"]
 class EventRecorder:
     """Records the local actions of a running rank and applies those of the others."""
 
-    def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...], models: tuple[torch.nn.Module, ...], record_steps: bool) -> None:
+    def __init__(
+        self, optimizers: tuple[torch.optim.Optimizer, ...], models: tuple[torch.nn.Module, ...], record_steps: bool
+    ) -> None:
         self.optimizers = optimizers
         self.models = models
         self.record_steps = record_steps  # False where the step is a collective round (DeepSpeed)
@@ -179,7 +181,10 @@ class EventRecorder:
 
 
 def _lrs(optimizer: torch.optim.Optimizer) -> tuple[float, ...]:
-    return tuple(float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].item()) for g in optimizer.param_groups)
+    return tuple(
+        float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].item())
+        for g in optimizer.param_groups
+    )
 
 
 def _schedulers_of(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
@@ -194,9 +199,17 @@ def _schedulers_of(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
         return []
     referrers = gc.get_referrers(*optimizers)
     found = [r for r in referrers if isinstance(r, torch.optim.lr_scheduler.LRScheduler)]
-    dicts = [d for d in referrers if isinstance(d, dict) and "last_epoch" in d and any(d.get("optimizer") is o for o in optimizers)]
+    dicts = [
+        d
+        for d in referrers
+        if isinstance(d, dict) and "last_epoch" in d and any(d.get("optimizer") is o for o in optimizers)
+    ]
     if dicts:
-        found += [o for o in gc.get_referrers(*dicts) if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and any(vars(o) is d for d in dicts)]
+        found += [
+            o
+            for o in gc.get_referrers(*dicts)
+            if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and any(vars(o) is d for d in dicts)
+        ]
     unique = list({id(s): s for s in found}.values())
     order = {id(o): i for i, o in enumerate(optimizers)}
     unique.sort(key=lambda s: (order[id(s.optimizer)], type(s).__name__))

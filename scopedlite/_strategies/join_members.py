@@ -20,7 +20,9 @@ import torch
 
 __all__ = ["in_join", "models_in_join", "refuse_backward_in_join", "refuse_gather_in_join"]
 
-_joined: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("scopedlite.joined_models", default=frozenset())
+_joined: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "scopedlite.joined_models", default=frozenset()
+)
 
 
 @contextlib.contextmanager

@@ -105,8 +105,17 @@ class Opener:
     def encode(self) -> list[float]:
         row = [0.0] * LENGTH
         row[:_FIXED] = [
-            self.kind, self.site, self.index, self.flag, self.mask, self.seq, self.ended,
-            self.reports, self.needs, self.length, *self.values,
+            self.kind,
+            self.site,
+            self.index,
+            self.flag,
+            self.mask,
+            self.seq,
+            self.ended,
+            self.reports,
+            self.needs,
+            self.length,
+            *self.values,
         ]
         h = self.header
         row[_HEADER_AT : _HEADER_AT + 6] = [h.collective, h.op, h.dtype, h.src, h.payload, len(h.shape)]
@@ -122,12 +131,27 @@ class Opener:
         h = i[_HEADER_AT : _HEADER_AT + 6]
         header = Header(h[0], h[1], h[2], tuple(i[_HEADER_AT + 6 : _HEADER_AT + 6 + h[5]]), h[3], h[4])
         events = tuple(
-            Event(Action(round(row[_EVENTS_AT + 1 + 3 * k])), round(row[_EVENTS_AT + 2 + 3 * k]), row[_EVENTS_AT + 3 + 3 * k])
+            Event(
+                Action(round(row[_EVENTS_AT + 1 + 3 * k])),
+                round(row[_EVENTS_AT + 2 + 3 * k]),
+                row[_EVENTS_AT + 3 + 3 * k],
+            )
             for k in range(i[_EVENTS_AT])
         )
         return cls(
-            Kind(i[0]), i[1], i[2], i[3], i[4], i[5], i[6], bool(i[7]), i[8], i[9],
-            (row[_VALUES_AT], row[_VALUES_AT + 1], row[_VALUES_AT + 2]), header, events,
+            Kind(i[0]),
+            i[1],
+            i[2],
+            i[3],
+            i[4],
+            i[5],
+            i[6],
+            bool(i[7]),
+            i[8],
+            i[9],
+            (row[_VALUES_AT], row[_VALUES_AT + 1], row[_VALUES_AT + 2]),
+            header,
+            events,
         )
 
     def step_key(self) -> tuple[object, ...]:
@@ -152,8 +176,13 @@ class Opener:
             return f"a lite collective at {site_name(self.site)}"
         if self.kind == Kind.PASS:
             return f"a new pass over a loader at {site_name(self.site)}"
-        return {Kind.LEFT: "the end of the block", Kind.STEP: f"optimizer step of model {self.index}",
-                Kind.CLIP: "lite.clip_gradients", Kind.ABORT: "an exception", Kind.EVENTS: "optimizer/scheduler calls"}[self.kind]
+        return {
+            Kind.LEFT: "the end of the block",
+            Kind.STEP: f"optimizer step of model {self.index}",
+            Kind.CLIP: "lite.clip_gradients",
+            Kind.ABORT: "an exception",
+            Kind.EVENTS: "optimizer/scheduler calls",
+        }[self.kind]
 
 
 # Call sites travel as small integers; each rank keeps the names of the ones it saw.
@@ -211,7 +240,8 @@ class Round:
                     "only when the loop runs over a loader from lite.setup_dataloader (so the "
                     "session knows this rank ran out of data); otherwise call it after the "
                     "`with lite.join(...)` block."
-                    if after_loop else ""
+                    if after_loop
+                    else ""
                 )
             )
         for r in self.waiters:
@@ -261,7 +291,9 @@ class Round:
         opener = self.openers[rank]
         if opener.kind == Kind.LEFT:
             return "left the block"
-        what = opener.describe() + (f" of {opener.length} batches" if opener.kind == Kind.PASS and opener.length >= 0 else "")
+        what = opener.describe() + (
+            f" of {opener.length} batches" if opener.kind == Kind.PASS and opener.length >= 0 else ""
+        )
         return what if rank in self.runners else f"waits at {what}"
 
     def events_problem(self) -> str | None:
@@ -278,7 +310,9 @@ class Round:
         )
         if fits:
             return None
-        described = "; ".join(f"rank {r}: {', '.join(e.describe() for e in ev) or 'nothing'}" for r, ev in lists.items())
+        described = "; ".join(
+            f"rank {r}: {', '.join(e.describe() for e in ev) or 'nothing'}" for r, ev in lists.items()
+        )
         return (
             "Inside lite.join the ranks did different optimizer/scheduler calls between the "
             f"same two points ({described}). The usual cause is an LR scheduler (or zero_grad) "

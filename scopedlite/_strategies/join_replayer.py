@@ -1,8 +1,8 @@
 """What each backend supplies to the join session (``replay.py``): a :class:`Replayer`.
 
-One small class per backend - ``ddp_join.py``, ``fsdp/join.py``, ``deepspeed/join.py`` -
+One small class per backend - ``ddp/join.py``, ``fsdp/join.py``, ``deepspeed/join.py`` -
 installs the hooks through which running ranks announce their steps, and replays those steps
-on a rank that serves. ``ProcessGroupStrategy.join`` (``process_group.py``) is the one
+on a rank that serves. ``ProcessGroupStrategy.join`` (``process_group_strategy.py``) is the one
 template that builds it and hands it to the session.
 """
 
@@ -71,7 +71,14 @@ class Replayer(Protocol):
         """The number of running replicas is now ``count``."""
         ...
 
-    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+    def clip(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float,
+    ) -> Any:
         """The strategy's own ``clip_gradients`` for model ``index`` and ``optimizer``."""
         ...
 

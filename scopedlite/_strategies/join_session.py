@@ -11,8 +11,9 @@ zero for sums and means, -inf/+inf (or the dtype's limits) for max/min, rows tha
 dropped for gathers. A mean divides by the number of running ranks.
 
 Because a serving rank learns from each round what comes next, our collectives may sit
-anywhere in the loop and a rank with no batch at all works too. torch's Join alone gets these
-wrong (see BACKENDS.md).
+anywhere in the loop and a rank with no batch at all works too. torch's ``Join`` gets these
+wrong: a rank that joined answers only its joinables' hooks, so a collective of the user's in
+the loop is matched against one of Join's own (a wrong value, then an abort).
 """
 
 from __future__ import annotations
@@ -36,18 +37,25 @@ from scopedlite._comm.wire import (
     to_bytes,
     wire_dtype,
 )
+from scopedlite._strategies.base import REDUCE_OPS
 from scopedlite._strategies.join_message import Header
 
 if TYPE_CHECKING:
     from scopedlite._strategies.join_message import Round
 
 __all__ = [
-    "BARRIER", "BROADCAST", "GATHER", "OPS", "REDUCE",
-    "JoinCollectives", "NoJoin", "PEER_LEFT", "PeerLeftJoinError", "refuse_raw_collectives",
+    "BARRIER",
+    "BROADCAST",
+    "GATHER",
+    "REDUCE",
+    "JoinCollectives",
+    "NoJoin",
+    "PEER_LEFT",
+    "PeerLeftJoinError",
+    "refuse_raw_collectives",
 ]
 
 REDUCE, GATHER, BROADCAST, BARRIER = 1, 2, 3, 4
-OPS = ("sum", "mean", "max", "min")
 _TENSOR, _BYTES = 1, 2
 
 PEER_LEFT = (
@@ -88,7 +96,7 @@ class JoinCollectives:
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         original = tensor
         work = tensor.detach().to(device=self.device, dtype=wire_dtype(tensor.dtype, op), copy=True)
-        round_ = self.announce(Header(REDUCE, OPS.index(op), *_describe_tensor(work)))
+        round_ = self.announce(Header(REDUCE, REDUCE_OPS.index(op), *_describe_tensor(work)))
         dist.all_reduce(work, op=TORCH_OPS[op])
         if op == "mean":
             work = work / len(round_.runners)
@@ -134,7 +142,7 @@ class JoinCollectives:
         """Take part in the collective the running ranks announced, with a neutral value."""
         header = round_.step.header
         if header.collective == REDUCE:
-            op = OPS[header.op]
+            op = REDUCE_OPS[header.op]
             dtype = header.torch_dtype
             neutral = torch.full(header.shape, neutral_value(dtype, op), dtype=dtype, device=self.device)
             dist.all_reduce(neutral, op=TORCH_OPS[op])
@@ -149,16 +157,32 @@ class JoinCollectives:
 
 def _describe_tensor(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}.")
+        raise ValueError(
+            f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}."
+        )
     return DTYPES.index(tensor.dtype), tuple(tensor.shape)
 
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
-    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
-    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
 )
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # DeepSpeed's engine talks to torch.distributed from its own files (deepspeed.comm); found
@@ -171,9 +195,17 @@ _DEEPSPEED_DIR = (
 )
 # The scopedlite package (this file is in scopedlite/_strategies/).
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_EQUIVALENT = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
-               "all_gather_single": "all_gather", "all_gather_object": "all_gather", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
-               "barrier": "barrier", "monitored_barrier": "barrier"}
+_EQUIVALENT = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_object": "all_gather",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
+}
 
 
 @contextlib.contextmanager
@@ -181,12 +213,12 @@ def refuse_raw_collectives() -> Any:
     """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
     scopedlite raises at once instead of hanging.
 
-    The ranks that ran out of data wait in the join protocol, where only the replayed steps
-    (forwards, backwards, optimizer steps of the set-up models) and our collectives are
-    answered; a raw collective on an active rank would wait for them until the timeout (30
-    minutes by default), silently. torch's own code (DDP, FSDP, its Join), DeepSpeed's and ours
-    go through as they are. Patched on the ``torch.distributed`` namespace for the
-    block only; code that imported the function itself beforehand is not covered.
+    The ranks that ran out of data serve the join session's rounds (``replay.py``), which
+    replay the models' steps and answer our collectives only; a raw collective on an active
+    rank would wait for them until the timeout (30 minutes by default), silently. Calls from
+    torch's own code (DDP's gradient all-reduce, FSDP's gathers), DeepSpeed's and ours go
+    through as they are. Patched on the ``torch.distributed`` namespace for the block only;
+    code that imported the function itself beforehand is not covered.
     """
     saved = {}
     for name in _RAW_COLLECTIVES:
@@ -213,7 +245,8 @@ def _guarded(name: str, original: Any) -> Any:
                 f"torch.distributed.{name} was called inside lite.join (at "
                 f"{caller.f_code.co_filename}:{caller.f_lineno}). The ranks that have run out of "
                 "data have left the loop and cannot take part, so the ranks would wait for each "
-                f"other until launch(timeout=) ran out, silently. {instead[:1].upper() + instead[1:] if instead else ''}"
+                "other until launch(timeout=) ran out, silently. "
+                f"{instead[:1].upper() + instead[1:] if instead else ''}"
                 f"{'call' if ours else 'Call'} it after the `with lite.join(...)` block: for a "
                 "torchmetrics metric, `metric.update(...)` inside and `metric.compute()` after."
             )

@@ -123,5 +123,7 @@ def _like(tensors: Tensors, key: Hashable, info: TensorInfo, param: torch.Tensor
     if dtensor is not None and isinstance(param, dtensor):
         offsets, sizes = local_box(param)
         local = tensors.read(key, Box(offsets, sizes)).to(param.device, copy=True)
-        return dtensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        return dtensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return tensors.read(key).to(param.device, copy=True)

@@ -9,10 +9,9 @@ the backward needs. A result that is never back-propagated costs nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import dataclasses
 
 import torch
 

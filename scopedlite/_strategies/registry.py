@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from scopedlite._strategies.base import Strategy
-from scopedlite._strategies.ddp import DDPStrategy
+from scopedlite._strategies.ddp.strategy import DDPStrategy
 from scopedlite._strategies.deepspeed.strategy import DeepSpeedStrategy
 from scopedlite._strategies.fsdp.strategy import FSDPStrategy
-from scopedlite._strategies.model_parallel import ModelParallelStrategy
-from scopedlite._strategies.single import SingleDeviceStrategy
+from scopedlite._strategies.model_parallel.strategy import ModelParallelStrategy
+from scopedlite._strategies.single.strategy import SingleDeviceStrategy
 from scopedlite._strategies.xla.strategy import XLASingleDeviceStrategy, XLAStrategy
 
 __all__ = ["STRATEGIES", "Entry", "names_supporting"]

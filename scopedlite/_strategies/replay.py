@@ -13,7 +13,7 @@ The roles, as in torch's ``join.py``:
   backward, collective step and lite collective in a *round*; a rank that has left the block
   (or waits at a collective the others have not reached yet) serves the rounds until every
   rank has left.
-- :class:`Replayer`: one small class per backend (``ddp_join.py``, ``fsdp/join.py``,
+- :class:`Replayer`: one small class per backend (``ddp/join.py``, ``fsdp/join.py``,
   ``deepspeed/join.py``): its hooks, and how it replays.
 - :class:`~join_message.Opener` / :class:`~join_message.Round`: the message each rank sends at
   the start of a round (an all-gather, on a CPU group under NCCL) and the verdict every rank
@@ -51,21 +51,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.process_group import broadcast_any
+from scopedlite._comm.distributed import broadcast_any
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import overwrite_buffers
 from scopedlite._strategies.join_events import EventRecorder
+from scopedlite._strategies.join_members import models_in_join
 from scopedlite._strategies.join_message import (
     LENGTH,
-    Action,
     MAX_EVENTS,
+    Action,
     Header,
     Kind,
     Opener,
     Round,
     site_id,
 )
-from scopedlite._strategies.join_members import models_in_join
 from scopedlite._strategies.join_session import (
     PEER_LEFT,
     JoinCollectives,
@@ -142,7 +142,9 @@ class ReplaySession:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
-        self.events = EventRecorder(optimizers, tuple(m for _, m in replayer.zero_grad_owners()), replayer.records_steps)
+        self.events = EventRecorder(
+            optimizers, tuple(m for _, m in replayer.zero_grad_owners()), replayer.records_steps
+        )
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
         self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
@@ -161,9 +163,11 @@ class ReplaySession:
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
-    def __enter__(self) -> ReplaySession:  # noqa: PYI034
+    def __enter__(self) -> ReplaySession:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
-            self._stack.enter_context(models_in_join(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
+            self._stack.enter_context(
+                models_in_join(self.strategy.unwrap(m) for m in self.models)
+            )  # asked by user methods
             self._stack.enter_context(self.replayer.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._stack.callback(self.events.close)
@@ -172,11 +176,18 @@ class ReplaySession:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc_type is None:
                 self._leave()
-            elif self.rounds and isinstance(exc, Exception) and not isinstance(exc, PeerLeftJoinError) and not self._refused:
+            elif (
+                self.rounds
+                and isinstance(exc, Exception)
+                and not isinstance(exc, PeerLeftJoinError)
+                and not self._refused
+            ):
                 self._abort_round()
         finally:
             self.inputs.clear()
@@ -198,8 +209,14 @@ class ReplaySession:
                     f"optimizer/scheduler methods after its last forward; at most {MAX_EVENTS} can "
                     "be reported to the other ranks. Move them after the `with lite.join(...)` block."
                 )
-            opener = Opener(Kind.LEFT, ended=self.ended, reports=first, needs=self._needs(), events=events,
-                            values=(float(self.events.scheduler_steps()), 0.0, 0.0))
+            opener = Opener(
+                Kind.LEFT,
+                ended=self.ended,
+                reports=first,
+                needs=self._needs(),
+                events=events,
+                values=(float(self.events.scheduler_steps()), 0.0, 0.0),
+            )
             round_ = self._round(opener)
             if round_.over:
                 self._check_schedulers(round_)
@@ -378,7 +395,14 @@ class ReplaySession:
         lr = self.events.check_lr(optimizer) if optimizer is not None else 0.0
         self._announce(Opener(Kind.STEP, index=index, values=(lr, 0.0, 0.0)))
 
-    def clip_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float = 2.0) -> Any:
+    def clip_gradients(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float = 2.0,
+    ) -> Any:
         """``lite.clip_gradients`` inside the block: serving ranks clip their shards too."""
         index = self.events.index_of(optimizer)
         model = next((m for m, known in enumerate(self.models) if known is module), None)
@@ -389,7 +413,11 @@ class ReplaySession:
                 f"{type(module).__name__}."
             )
         if self.rounds:
-            values = (float(max_norm) if max_norm is not None else -1.0, float(clip_val) if clip_val is not None else -1.0, norm_type)
+            values = (
+                float(max_norm) if max_norm is not None else -1.0,
+                float(clip_val) if clip_val is not None else -1.0,
+                norm_type,
+            )
             self._announce(Opener(Kind.CLIP, index=index, flag=model, values=values))
         return self.replayer.clip(model, optimizer, max_norm, clip_val, norm_type)
 
@@ -451,7 +479,13 @@ class ReplaySession:
             self.replayer.step(step.index)
         elif step.kind == Kind.CLIP:
             max_norm, clip_val, norm_type = step.values
-            self.replayer.clip(step.flag, self.optimizers[step.index], max_norm if max_norm >= 0 else None, clip_val if clip_val >= 0 else None, norm_type)
+            self.replayer.clip(
+                step.flag,
+                self.optimizers[step.index],
+                max_norm if max_norm >= 0 else None,
+                clip_val if clip_val >= 0 else None,
+                norm_type,
+            )
         elif step.kind == Kind.COLLECTIVE:
             self.collectives.serve(round_)
         # PASS, EVENTS: the round was all

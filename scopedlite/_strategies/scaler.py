@@ -3,7 +3,7 @@
 Users keep calling ``optimizer.step()`` on the optimizer ``setup`` returned. When losses are
 scaled, that call must go through ``GradScaler.step`` and be followed by ``update``, so the
 optimizer's ``step`` is rerouted on the instance (not replaced by a wrapper object, so the
-optimizer stays an instance of its own class and LR schedulers keep working; see _reroute.py).
+optimizer stays an instance of its own class and LR schedulers keep working; see ``reroute.py``).
 """
 
 from __future__ import annotations

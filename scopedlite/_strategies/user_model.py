@@ -9,7 +9,7 @@ class is swapped, after it is built, for a subclass that adds :class:`UserModelV
 - attributes the wrapper does not have are read from (and, if the module has them, written
   to) the user's module;
 - the user's own methods: under DDP plain calls, with DDP's gradient sync prepared only when
-  their result is back-propagated (ddp_methods.py); under DeepSpeed *through the engine's
+  their result is back-propagated (ddp/methods.py); under DeepSpeed *through the engine's
   forward* (the user's ``forward`` is pointed at the method for that one call), so that
   ZeRO-3 gathers the parameters for them;
 - ``state_dict()`` / ``load_state_dict()`` are the user's module's, with its plain keys.
@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._strategies.ddp_methods import ddp_method
+from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.join_members import in_join, refuse_backward_in_join, refuse_gather_in_join
 from scopedlite._strategies.method_results import on_backward
 
@@ -69,7 +69,12 @@ def user_method_names(cls: type[torch.nn.Module]) -> list[str]:
     names: dict[str, None] = {}
     for klass in _user_classes(cls):
         for name, value in vars(klass).items():
-            if name == "forward" or name in _MODULE_API or name in SAVING_METHODS or (name.startswith("__") and name.endswith("__")):
+            if (
+                name == "forward"
+                or name in _MODULE_API
+                or name in SAVING_METHODS
+                or (name.startswith("__") and name.endswith("__"))
+            ):
                 continue
             if callable(value) and not isinstance(value, (staticmethod, classmethod, type)):
                 names.setdefault(name, None)
@@ -211,7 +216,9 @@ def _not_traced(method: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(method) if "torch._dynamo" in sys.modules else method
 
 
-def _run_through_forward(wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _run_through_forward(
+    wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
     """Call ``method`` inside ``wrapper``'s forward (``inner.forward`` points at it meanwhile)."""
     had_own_forward = "forward" in inner.__dict__
     own_forward = inner.__dict__.get("forward")
@@ -221,7 +228,11 @@ def _run_through_forward(wrapper: UserModelView, inner: torch.nn.Module, method:
         out = method(*a, **k)
         # Wrappers' post-forward hooks look into outputs; a plain str or float has no
         # attributes to look into (ZeRO-3 calls vars() on it), so it travels boxed.
-        return out if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__") else _Boxed(out)
+        return (
+            out
+            if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__")
+            else _Boxed(out)
+        )
 
     inner.forward = _not_traced(redirected)  # type: ignore[method-assign]
     try:
@@ -286,7 +297,9 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
 _VIEW_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView], always_through_forward: bool = False) -> torch.nn.Module:
+def present_as_user_model(
+    wrapper: torch.nn.Module, view: type[UserModelView], always_through_forward: bool = False
+) -> torch.nn.Module:
     """Swap ``wrapper``'s class for ``view`` (a subclass of :class:`UserModelView` and of the
     wrapper's class) once the wrapper is fully built; returns the same object."""
     if not issubclass(view, type(wrapper)):

@@ -212,7 +212,9 @@ def load_engine_optimizer(engine: Any, optimizer: torch.optim.Optimizer, entry: 
         _load_partition(optimizer, entry, [(names[id(s.param)], s) for s in members])
 
 
-def _load_partition(optimizer: torch.optim.Optimizer, entry: OptimizerEntry, members: Sequence[tuple[str, ZeroSlot]]) -> None:
+def _load_partition(
+    optimizer: torch.optim.Optimizer, entry: OptimizerEntry, members: Sequence[tuple[str, ZeroSlot]]
+) -> None:
     flat = members[0][1].flat
     stated = [name for name, _ in members if entry.state.get(name)]
     if not stated:

@@ -27,6 +27,8 @@ _PRECISION_SECTIONS: dict[str, str | None] = {
     "16-true": "fp16",
 }
 _HALF_SECTIONS = ("fp16", "bf16")
+
+
 def _enabled(section: Any) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
@@ -84,8 +86,7 @@ class ZeroSettings:
         resolved = stage if stage is not None else (config_stage if config_stage is not None else 2)
         if resolved not in STAGES:
             raise ValueError(
-                f"config['zero_optimization']['stage']={resolved!r} is not a ZeRO stage. Valid "
-                f"choices: {STAGES}."
+                f"config['zero_optimization']['stage']={resolved!r} is not a ZeRO stage. Valid choices: {STAGES}."
             )
         self.stage: int = resolved
         self.offload_optimizer = self._offload("offload_optimizer", offload_optimizer, zero)

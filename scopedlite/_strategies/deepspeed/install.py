@@ -8,6 +8,7 @@ __all__ = ["import_deepspeed"]
 
 _INSTALL_HINT = "pip install scopedlite[deepspeed]"
 
+
 def import_deepspeed() -> Any:
     """Import DeepSpeed, or explain how to install it."""
     try:

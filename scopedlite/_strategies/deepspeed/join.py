@@ -42,7 +42,9 @@ class DeepSpeedReplay:
 
     records_steps = False
 
-    def __init__(self, strategy: DeepSpeedStrategy, engines: tuple[Any, ...], divide_by_initial_world_size: bool, world_size: int) -> None:
+    def __init__(
+        self, strategy: DeepSpeedStrategy, engines: tuple[Any, ...], divide_by_initial_world_size: bool, world_size: int
+    ) -> None:
         self.strategy = strategy
         self.engines = engines
         self.divide = divide_by_initial_world_size
@@ -112,7 +114,14 @@ class DeepSpeedReplay:
     def active_count(self, count: int) -> None:
         self.count = count
 
-    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+    def clip(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float,
+    ) -> Any:
         return self.strategy.clip_gradients(self.engines[index], optimizer, max_norm, clip_val, norm_type=norm_type)
 
     def finish(self, authoritative: int) -> None:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
-from scopedlite._cluster.environments import EXISTING_GROUP
 from scopedlite._core.structures import map_tensors
 from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
@@ -51,7 +50,7 @@ from scopedlite._strategies.deepspeed.logs import (
     quiet_deepspeed,
 )
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
-from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.reroute import reroute_step
 
 if TYPE_CHECKING:
@@ -157,7 +156,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self._start_deepspeed(placement, rendezvous)
             # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
             # gathering steps, and a method called on some ranks only is refused (lockstep.py).
-            self._ledger = GatherLedger.of_default_group("deepspeed_stage_3") if self.stage == 3 and placement.world_size > 1 else None
+            self._ledger = (
+                GatherLedger.of_default_group("deepspeed_stage_3")
+                if self.stage == 3 and placement.world_size > 1
+                else None
+            )
         except BaseException:
             self.stop()  # leave no process group or environment variable behind
             raise
@@ -165,14 +168,16 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def _start_deepspeed(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         assert rendezvous is not None
         world = rendezvous.world
-        self._set_env({
-            "RANK": str(world.global_rank),
-            "LOCAL_RANK": str(world.local_rank),
-            "WORLD_SIZE": str(world.world_size),
-            "LOCAL_WORLD_SIZE": str(world.local_world_size),
-            "MASTER_ADDR": world.main_address,
-            "MASTER_PORT": str(world.main_port),
-        })
+        self._set_env(
+            {
+                "RANK": str(world.global_rank),
+                "LOCAL_RANK": str(world.local_rank),
+                "WORLD_SIZE": str(world.world_size),
+                "LOCAL_WORLD_SIZE": str(world.local_world_size),
+                "MASTER_ADDR": world.main_address,
+                "MASTER_PORT": str(world.main_port),
+            }
+        )
         if placement.accelerator == "cpu" and "DS_ACCELERATOR" not in os.environ:
             self._set_env({"DS_ACCELERATOR": "cpu"})  # else DeepSpeed warns while detecting
         before = dict(os.environ)
@@ -189,7 +194,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self.deepspeed.init_distributed(dist_backend=self._backend, timeout=placement.timeout)
         # A group made before launch (Ray Train, the script) outlives the run: DeepSpeed's view
         # of it stays true, and tearing it down through DeepSpeed would destroy it.
-        self._deepspeed_comm = world.source != EXISTING_GROUP
+        self._deepspeed_comm = not world.is_existing_group
 
     def _set_env(self, values: dict[str, str]) -> None:
         for key, value in values.items():
@@ -402,7 +407,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             )
         return tuple(o for o in optimizers if o is not None)
 
-    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> DeepSpeedReplay:
+    def join_replayer(
+        self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
+    ) -> DeepSpeedReplay:
         return DeepSpeedReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
 
     # -- checkpoints: the engine's own folder; any checkpoint loaded (see checkpoint.py) --
@@ -433,7 +440,7 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
 
-    Rerouted on the instance (see _reroute.py), so the optimizer keeps its class and LR
+    Rerouted on the instance (see ``reroute.py``), so the optimizer keeps its class and LR
     schedulers built on it keep working.
     """
     original_zero_grad = optimizer.zero_grad
@@ -463,8 +470,11 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
 def _input_caster(dtype: torch.dtype) -> Any:
     """A forward pre-hook casting floating inputs to the dtype DeepSpeed holds the model in
     (its bf16/fp16 modes convert the whole model, unlike torch autocast)."""
+
     def cast(_: Any, args: Any, kwargs: Any) -> Any:
-        convert = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() else t
+
         return map_tensors(args, convert), map_tensors(kwargs, convert)
 
     return cast

@@ -51,7 +51,9 @@ class Ref:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Ref:
-        return cls(storage_key(tensor), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        return cls(
+            storage_key(tensor), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+        )
 
     def matches(self, tensor: torch.Tensor) -> bool:
         return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()) == (
@@ -135,7 +137,9 @@ class Tape:
                     todo.extend((read, index) for read in self.entries[index].reads)
         return sorted(chosen)
 
-    def run(self, indices: list[int], states: Callable[[int], Any] | None, scratch: bool = False) -> dict[int, torch.UntypedStorage]:
+    def run(
+        self, indices: list[int], states: Callable[[int], Any] | None, scratch: bool = False
+    ) -> dict[int, torch.UntypedStorage]:
         """Execute ``indices`` in order on the CPU and return the storages they filled.
 
         ``states(i)`` gives the generator state random entry ``i`` starts from (None: skip the
@@ -184,14 +188,16 @@ class Tape:
                 generator = None
                 if entry.generator is not None:
                     generator = clones[next(j for j, g in enumerate(generators) if g is entry.generator)]
-                states[index] = (generator.get_state() if generator is not None else torch.get_rng_state())
+                states[index] = generator.get_state() if generator is not None else torch.get_rng_state()
                 self._execute(entry, {}, True, generator)
             for _, state in pending:
                 torch.set_rng_state(state)
             end = torch.get_rng_state()
         return states, end, [clone.get_state() for clone in clones]
 
-    def _execute(self, entry: Entry, real: dict[int, torch.UntypedStorage], scratch: bool, generator: torch.Generator | None) -> None:
+    def _execute(
+        self, entry: Entry, real: dict[int, torch.UntypedStorage], scratch: bool, generator: torch.Generator | None
+    ) -> None:
         def value(leaf: Any) -> Any:
             if isinstance(leaf, Const):
                 return leaf.value
@@ -201,7 +207,9 @@ class Tape:
                 real[leaf.key] = torch.empty(self.storages[leaf.key].nbytes(), dtype=torch.uint8).untyped_storage()
             return leaf.view(real[leaf.key])
 
-        is_leaf = lambda x: isinstance(x, (Ref, Const))  # noqa: E731
+        def is_leaf(x: Any) -> bool:
+            return isinstance(x, (Ref, Const))
+
         args = map_leaves(entry.args, value, is_leaf)
         kwargs = _with_device(map_leaves(entry.kwargs, value, is_leaf), CPU)
         if generator is not None:
@@ -297,7 +305,9 @@ class Recorder(OpInterceptor):
     def _record(self, func: Any, facts: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if facts.random:
             self.note_generator()
-        is_leaf = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+
+        def is_leaf(x: Any) -> bool:
+            return isinstance(x, torch.Tensor)
 
         def as_recorded(t: torch.Tensor) -> Any:
             return Ref.of(t) if t.is_meta else Const(t.detach().to(CPU, copy=True))
@@ -359,10 +369,15 @@ class Recorder(OpInterceptor):
                 "which are only known once the whole build is replayed"
             ) from error
         real = self.tape.run(indices, None)
-        is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+
+        def is_tensor(x: Any) -> bool:
+            return isinstance(x, torch.Tensor)
+
         convert = functools.partial(_materialised, real)
         kwargs = map_leaves(kwargs, convert, is_tensor)
-        return func(*map_leaves(args, convert, is_tensor), **(_with_device(kwargs, CPU) if "device" in kwargs else kwargs))
+        return func(
+            *map_leaves(args, convert, is_tensor), **(_with_device(kwargs, CPU) if "device" in kwargs else kwargs)
+        )
 
 
 def _materialised(real: dict[int, torch.UntypedStorage], tensor: torch.Tensor) -> torch.Tensor:

@@ -26,18 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["save_full", "save_sharded"]
 
 
-def _numpy_needed() -> None:
-    # torch.distributed.checkpoint gathers its plan with gather_object, which needs numpy on
-    # the receiving ranks in torch 2.13; without it a worker dies inside torch.
-    try:
-        import numpy  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            "Sharded checkpoints need numpy (torch.distributed.checkpoint uses it), a "
-            "dependency of scopedlite that this environment lacks: pip install numpy"
-        ) from e
-
-
 def save_sharded(strategy: FSDPStrategy, path: Path, state: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -45,7 +33,6 @@ def save_sharded(strategy: FSDPStrategy, path: Path, state: dict[str, Any]) -> N
         get_optimizer_state_dict,
     )
 
-    _numpy_needed()
     path = Path(path).absolute()
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}

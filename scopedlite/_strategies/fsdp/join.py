@@ -45,7 +45,13 @@ class FSDPReplay:
 
     records_steps = True
 
-    def __init__(self, strategy: FSDPStrategy, roots: tuple[torch.nn.Module, ...], divide_by_initial_world_size: bool, replicas: int) -> None:
+    def __init__(
+        self,
+        strategy: FSDPStrategy,
+        roots: tuple[torch.nn.Module, ...],
+        divide_by_initial_world_size: bool,
+        replicas: int,
+    ) -> None:
         self.strategy = strategy
         self.roots = roots
         self.divide = divide_by_initial_world_size
@@ -65,7 +71,9 @@ class FSDPReplay:
             for unit in self._units[index]:
                 original = unit.set_requires_gradient_sync
 
-                def tracked(requires_gradient_sync: bool, *, recurse: bool = True, index: int = index, original: Any = original) -> None:
+                def tracked(
+                    requires_gradient_sync: bool, *, recurse: bool = True, index: int = index, original: Any = original
+                ) -> None:
                     if not session.serving:
                         self._sync[index] = requires_gradient_sync
                     original(requires_gradient_sync, recurse=recurse)
@@ -121,7 +129,14 @@ class FSDPReplay:
         for module in self._fsdp_modules():
             module.set_gradient_divide_factor(float(count))
 
-    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+    def clip(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float,
+    ) -> Any:
         return self.strategy.clip_gradients(self.roots[index], optimizer, max_norm, clip_val, norm_type=norm_type)
 
     def finish(self, authoritative: int) -> None:

@@ -46,7 +46,9 @@ from scopedlite._strategies.user_model import SAVING_METHODS, saving_method, sha
 __all__ = ["gather_for_user_methods"]
 
 
-def gather_for_user_methods(root: torch.nn.Module, user_class: type[torch.nn.Module], ledger: GatherLedger | None) -> None:
+def gather_for_user_methods(
+    root: torch.nn.Module, user_class: type[torch.nn.Module], ledger: GatherLedger | None
+) -> None:
     """Make the methods the user's classes define gather when they need to, on the sharded
     ``root`` (of ``user_class``) and on each submodule that is its own FSDP unit; the root's
     outermost forwards are noted in ``ledger`` (None: one rank, nothing to check).
@@ -67,7 +69,9 @@ def gather_for_user_methods(root: torch.nn.Module, user_class: type[torch.nn.Mod
     for name in SAVING_METHODS:
         method = getattr(root, name, None)
         if callable(method):
-            root.__dict__[name] = saving_method(_as_gathered(method, nestings[id(root)]), functools.partial(_full_state, root))
+            root.__dict__[name] = saving_method(
+                _as_gathered(method, nestings[id(root)]), functools.partial(_full_state, root)
+            )
 
 
 def _as_gathered(method: Callable[..., Any], nesting: Nesting) -> Callable[..., Any]:
@@ -113,7 +117,9 @@ class _Gathering:
 
     def install(self, user_class: type[torch.nn.Module], ledger: GatherLedger | None) -> None:
         for name in user_method_names(user_class):
-            self.module.__dict__[name] = self.method(getattr(self.module, name), f"{user_class.__name__}.{name}", ledger)
+            self.module.__dict__[name] = self.method(
+                getattr(self.module, name), f"{user_class.__name__}.{name}", ledger
+            )
 
     @property
     def owners(self) -> dict[int, torch.nn.Module]:

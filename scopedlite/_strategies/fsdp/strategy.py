@@ -14,9 +14,9 @@ import contextlib
 import math
 import os
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,17 @@ from scopedlite._io.consolidate import optimizer_state_to_indices
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
-from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.fsdp.join import FSDPReplay
+from scopedlite._strategies.fsdp.methods import gather_for_user_methods
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger
-from scopedlite._strategies.process_group import ProcessGroupStrategy
+from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
+
+# A callable auto_wrap_policy: True for a submodule that becomes its own FSDP unit.
+WrapPolicy = Callable[[torch.nn.Module], bool]
 
 # The end of the advice when a method that gathers is called on some ranks only (lockstep.py).
 _WITHOUT_GATHERING = (
@@ -50,7 +53,14 @@ _STATE_DICT_TYPES = ("sharded", "full")
 # distribute_tensor(src_data_rank=) and FSDP2's CPU streams; with 2.7.1 and 2.8.0 on gloo,
 # sharded training ran but gave values up to 0.59 away from one process's (tests/test_fsdp.py).
 FSDP2_TORCH = "2.9"
-_FSDP2_NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "register_fsdp_forward_method")
+_FSDP2_NAMES = (
+    "fully_shard",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "CPUOffloadPolicy",
+    "OffloadPolicy",
+    "register_fsdp_forward_method",
+)
 
 
 def release(version: str) -> tuple[int, int]:
@@ -82,8 +92,7 @@ def _module_classes(argument: str, value: Any) -> frozenset[type[torch.nn.Module
         )
     if not isinstance(value, (set, frozenset, list, tuple)) or not value:
         raise TypeError(
-            f"{argument} must be a non-empty set of torch.nn.Module subclasses, got "
-            f"{type(value).__name__} ({value!r})."
+            f"{argument} must be a non-empty set of torch.nn.Module subclasses, got {type(value).__name__} ({value!r})."
         )
     bad = [v for v in value if not (isinstance(v, type) and issubclass(v, torch.nn.Module))]
     if bad:
@@ -139,9 +148,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             if not isinstance(value, bool):
                 raise TypeError(f"{argument} must be True or False, got {value!r}.")
         if state_dict_type not in _STATE_DICT_TYPES:
-            raise ValueError(
-                f"state_dict_type={state_dict_type!r} is not valid; choose one of {_STATE_DICT_TYPES}."
-            )
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not valid; choose one of {_STATE_DICT_TYPES}.")
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
@@ -182,7 +189,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # in setup order, for join
         # Where each rank notes its gathering steps, so that a method gathering on some ranks
         # only is refused instead of hanging (lockstep.py).
-        self._ledger = GatherLedger.of_default_group(self.name, _WITHOUT_GATHERING) if placement.world_size > 1 else None
+        self._ledger = (
+            GatherLedger.of_default_group(self.name, _WITHOUT_GATHERING) if placement.world_size > 1 else None
+        )
 
     # -- building and sharding ------------------------------------------------------------
     def module_init_context(self, empty: bool) -> ContextManager[Any]:
@@ -210,7 +219,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         if not on_meta:
             module = self.placement.precision.convert_module(module.to(self.placement.device))
             self._broadcast_from_rank_zero(module)
-        before = {name: p for name, p in module.named_parameters(remove_duplicate=False)}
+        before = dict(module.named_parameters(remove_duplicate=False))
         user_class = type(module)
         module = self._shard(module)
 
@@ -343,7 +352,9 @@ class FSDPStrategy(ProcessGroupStrategy):
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
-    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> FSDPReplay:
+    def join_replayer(
+        self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
+    ) -> FSDPReplay:
         return FSDPReplay(self, models, divide_by_initial_world_size, self.data_parallel_size)
 
     # -- checkpoints ----------------------------------------------------------------------

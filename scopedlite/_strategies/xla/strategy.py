@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Itera
 
 import torch
 
-from scopedlite._comm import process_group as _distributed
+from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._hardware.xla import import_torch_xla
 from scopedlite._private.torch_xla_internals import initialize_tpu_process
@@ -183,7 +183,7 @@ class _XLABase(OneProcessCollectives, Strategy):
         def read() -> Iterator[Any]:  # runs in ParallelLoader's reading thread
             try:
                 yield from batches
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - handed to the main thread, which raises it
                 failed.append(e)
 
         device = self.placement.device

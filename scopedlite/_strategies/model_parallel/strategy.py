@@ -149,7 +149,9 @@ class ModelParallelStrategy(FSDPStrategy):
     def mesh(self) -> DeviceMesh:
         """The run's ``DeviceMesh``, dimensions ``"data_parallel"`` and ``"tensor_parallel"``."""
         if self._mesh is None:
-            raise RuntimeError("The device mesh exists once the run has started: use it inside `with lite.launch(...)`.")
+            raise RuntimeError(
+                "The device mesh exists once the run has started: use it inside `with lite.launch(...)`."
+            )
         return self._mesh
 
     @property
@@ -265,7 +267,9 @@ class ModelParallelStrategy(FSDPStrategy):
             norms = [torch.nn.utils.get_total_norm([p.grad for p in params], norm_type) for params in groups.values()]
             norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
             total = (
-                torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=self.placement.device)
+                torch.linalg.vector_norm(torch.stack(norms), norm_type)
+                if norms
+                else torch.zeros((), device=self.placement.device)
             )
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -1,10 +1,11 @@
 """torch.distributed plumbing shared by the multi-process strategies.
 
 Process-group creation and teardown (with the rendezvous store), and the four collectives on
-plain tensors: reductions that return a new tensor (the input is never modified), gathers stacked on a new leading dimension, and a
-broadcast that needs nothing of the receivers (they may pass None) because the source first
-sends a small header describing what follows. Objects travel as pickled bytes rather than
-through ``broadcast_object_list``, which needs numpy on the receiving ranks in torch 2.13.
+plain tensors: reductions that return a new tensor (the input is never modified), gathers
+stacked on a new leading dimension, and a broadcast that needs nothing of the receivers (they
+may pass None) because the source first sends a small header describing what follows. Objects
+travel as pickled bytes rather than through ``broadcast_object_list``, which needs numpy on the
+receiving ranks in torch 2.13.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from scopedlite._cluster.environments import EXISTING_GROUP, World
+from scopedlite._cluster.environments import World
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
 from scopedlite._private.torch_internals import set_group_timeout
 
@@ -59,21 +60,21 @@ def init_process_group(
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
     rank, size = world.global_rank, world.world_size
-    ours = world.source == "scopedlite"
+    ours = world.is_ours
     collective_timeout = timeout
     if ours:
         # Meeting the other ranks is bounded by the start-up limit, not by launch(timeout=):
         # a rank may still be importing torch while another one waits to connect.
         timeout = max(timeout, start_timeout())
-    if store is None and world.source == "torchelastic":
+    if store is None and world.is_torchelastic:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kwargs)
         return
     if store is None:
-        is_host = world.source != "scopedlite" and rank == 0
+        is_host = not ours and rank == 0
         store = dist.TCPStore(world.main_address, world.main_port, size, is_master=is_host, timeout=timeout)
-        if world.source != "scopedlite":
+        if not ours:
             _own_store[:] = [(store, rank, size)]
-        if world.source == "scopedlite":
+        else:
             # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
             # died before joining can be noticed, instead of inside torch's blocking rendezvous.
             store.set(ready_key(rank), "1")
@@ -98,7 +99,7 @@ def adopt_existing_group(world: World, requested: str | None, accelerator: str) 
     Raises:
         ValueError: ``requested`` (``process_group_backend=``) is not the group's backend.
     """
-    assert world.source == EXISTING_GROUP
+    assert world.is_existing_group
     if not dist.is_initialized() or (dist.get_rank(), dist.get_world_size()) != (world.global_rank, world.world_size):
         raise RuntimeError(
             f"The default process group launch was to join (rank {world.global_rank} of "

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._cluster.environments import EXISTING_GROUP
-from scopedlite._comm import process_group as _distributed
+from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.join_replayer import Replayer
@@ -43,14 +42,10 @@ class ProcessGroupStrategy(Strategy):
     def __init__(self, process_group_backend: str | None = None, start_method: str | None = None) -> None:
         if process_group_backend not in _BACKENDS:
             raise ValueError(
-                f"process_group_backend={process_group_backend!r} is not valid; choose "
-                "'gloo', 'nccl' or None."
+                f"process_group_backend={process_group_backend!r} is not valid; choose 'gloo', 'nccl' or None."
             )
         if start_method not in _START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not valid; choose one of "
-                f"{_START_METHODS[1:]} or None."
-            )
+            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {_START_METHODS[1:]} or None.")
         self.process_group_backend = process_group_backend
         self.start_method = start_method
 
@@ -78,9 +73,11 @@ class ProcessGroupStrategy(Strategy):
         default group that existed before launch."""
         assert rendezvous is not None, f"strategy={self.name!r} needs a rendezvous"
         self.placement = placement
-        existing = rendezvous.world.source == EXISTING_GROUP  # made before launch: joined, kept
+        existing = rendezvous.world.is_existing_group  # made before launch: joined, kept
         if existing:
-            self._backend = _distributed.adopt_existing_group(rendezvous.world, self.process_group_backend, placement.accelerator)
+            self._backend = _distributed.adopt_existing_group(
+                rendezvous.world, self.process_group_backend, placement.accelerator
+            )
         else:
             self._backend = self.backend(placement.accelerator)
         self._comm_device = _distributed.comm_device(self._backend, placement.device)
@@ -89,7 +86,11 @@ class ProcessGroupStrategy(Strategy):
             torch.cuda.set_device(placement.device)
         if not existing:
             _distributed.init_process_group(
-                self._backend, rendezvous.world, timeout=placement.timeout, store=rendezvous.store, device=placement.device
+                self._backend,
+                rendezvous.world,
+                timeout=placement.timeout,
+                store=rendezvous.store,
+                device=placement.device,
             )
 
     def stop(self) -> None:
@@ -135,7 +136,9 @@ class ProcessGroupStrategy(Strategy):
         """The optimizers a join over ``models`` mirrors, in setup order."""
         raise NotImplementedError
 
-    def join_replayer(self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool) -> Replayer:
+    def join_replayer(
+        self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
+    ) -> Replayer:
         """This backend's hooks and replays (checks what it cannot replay first)."""
         raise NotImplementedError
 
@@ -152,7 +155,8 @@ class ProcessGroupStrategy(Strategy):
         on another, and every rank must mirror the same ones."""
         params = {id(p) for model in models for p in model.parameters()}
         return tuple(
-            o for o in optimizers
+            o
+            for o in optimizers
             if o is not None and any(id(p) in params for group in o.param_groups for p in group["params"])
         )
 

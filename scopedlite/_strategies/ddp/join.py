@@ -47,7 +47,13 @@ class DDPReplay:
 
     records_steps = True
 
-    def __init__(self, strategy: Any, models: tuple[DistributedDataParallel, ...], divide_by_initial_world_size: bool, world_size: int) -> None:
+    def __init__(
+        self,
+        strategy: Any,
+        models: tuple[DistributedDataParallel, ...],
+        divide_by_initial_world_size: bool,
+        world_size: int,
+    ) -> None:
         self.strategy = strategy
         self.models = models
         self.divide = divide_by_initial_world_size
@@ -108,7 +114,14 @@ class DDPReplay:
     def active_count(self, count: int) -> None:
         pass  # output_scale reads the count
 
-    def clip(self, index: int, optimizer: torch.optim.Optimizer, max_norm: float | None, clip_val: float | None, norm_type: float) -> Any:
+    def clip(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        clip_val: float | None,
+        norm_type: float,
+    ) -> Any:
         return self.strategy.clip_gradients(self.models[index], optimizer, max_norm, clip_val, norm_type=norm_type)
 
     def finish(self, authoritative: int) -> None:
@@ -154,7 +167,7 @@ def refuse_what_join_cannot_replay(models: tuple[Any, ...], optimizers: tuple[to
             )
     for optimizer in optimizers:
         if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
-            raise ValueError(  # noqa: TRY004 (a valid optimizer, one join cannot mirror)
+            raise ValueError(  # a valid optimizer, one join cannot mirror
                 "lite.join cannot be used with torch's ZeroRedundancyOptimizer: its step "
                 "broadcasts each rank's shard, a collective a rank that ran out of data cannot "
                 "mirror in step (torch's own join hook steps it with stale gradients instead, "
