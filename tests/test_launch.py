@@ -172,7 +172,8 @@ def test_collectives(script, devices):
         assert out["broadcast_tensor"] == [0, 7, 14]
         assert out["broadcast_obj"] == {"from": devices - 1, "list": [devices - 1] * 2}
         assert out["world"] == [devices, devices, 0]
-        assert out["first"] in ranks
+    # rank_zero_first: rank 0 had left its block before any other rank entered
+    assert [out["rank0_done_before"] for out in result.json()] == [r != 0 for r in ranks]
     assert [out["input_unchanged"] for out in result.json()] == [[r + 1.0, -(r + 1.0)] for r in ranks]
 
 

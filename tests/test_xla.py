@@ -76,8 +76,14 @@ def xla_run(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_single_device_xla_trains_and_matches_cpu(xla_run):
     result = xla_run["train"]
-    cpu, xla, bf16 = result["cpu"], result["xla"], result["bf16"]
-    assert cpu["strategy"] == "single" and cpu["param_device"] == "cpu"
+    cpu, xla, bf16 = result["plain"], result["xla"], result["bf16"]  # plain torch: the reference
+    assert result["cpu"]["strategy"] == "single" and result["cpu"]["param_device"] == "cpu"
+    # lite on CPU: plain torch's numbers (1e-6: the run may use another thread count)
+    assert len(result["cpu"]["losses"]) == len(cpu["losses"]) and sorted(result["cpu"]["params"]) == sorted(cpu["params"])
+    assert max(abs(a - b) for a, b in zip(result["cpu"]["losses"], cpu["losses"])) < 1e-6
+    for name, values in cpu["params"].items():
+        flat_cpu, flat_lite = _flatten(values), _flatten(result["cpu"]["params"][name])
+        assert len(flat_lite) == len(flat_cpu) and max(abs(a - b) for a, b in zip(flat_cpu, flat_lite)) < 1e-6, name
     assert xla["strategy"] == "xla_single"
     assert xla["device"] == "xla:0" and xla["param_device"] == "xla" and xla["batch_device"] == "xla"
     assert len(xla["losses"]) == len(cpu["losses"]) == 16  # two epochs of 8 batches
@@ -85,13 +91,16 @@ def test_single_device_xla_trains_and_matches_cpu(xla_run):
     assert sum(xla["losses"][8:]) < sum(xla["losses"][:8]) - 0.4
     for a, b in zip(cpu["losses"], xla["losses"]):
         assert abs(a - b) < 1e-4, (cpu["losses"], xla["losses"])
+    assert sorted(xla["params"]) == sorted(cpu["params"]) and cpu["params"]
     for name, values in cpu["params"].items():
         flat_cpu = _flatten(values)
         flat_xla = _flatten(xla["params"][name])
+        assert len(flat_xla) == len(flat_cpu) > 0, name
         assert max(abs(a - b) for a, b in zip(flat_cpu, flat_xla)) < 1e-4, name
     # bf16-true: parameters in bfloat16 on the XLA device, and it still learns.
     assert bf16["param_dtype"] == "torch.bfloat16" and bf16["param_device"] == "xla"
     assert sum(bf16["losses"][8:]) < sum(bf16["losses"][:8]) - 0.4
+    assert len(bf16["losses"]) == len(cpu["losses"])
     for a, b in zip(cpu["losses"], bf16["losses"]):
         assert abs(a - b) < 0.05
     assert result["bf16_mixed"] == ["torch.bfloat16", "torch.float32", "torch.float32"]

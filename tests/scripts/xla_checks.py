@@ -60,13 +60,29 @@ def train(accelerator: str, precision: str = "32-true") -> dict:
         }
 
 
+def plain_torch() -> dict:
+    """The reference: the same loop in plain torch, one process, no scopedlite."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader()
+    losses = []
+    for _ in range(STEPS // len(loader) + 1):
+        for x, y in loader:
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().tolist() for k, v in model.state_dict().items()}}
+
+
 def mode_train(checkpoint: str) -> dict:
     # XLA first: torch's autograd engine sizes its per-device queues at its first backward, so
     # a backward before torch_xla is imported leaves no queue for XLA (see _XLABase.backward).
     xla = train("tpu")
     bf16 = train("xla", "bf16-true")
     feed = feed_checks(checkpoint)
-    return {"cpu": train("cpu"), "xla": xla, "bf16": bf16, "bf16_mixed": autocast_dtypes(), "feed": feed}
+    return {"plain": plain_torch(), "cpu": train("cpu"), "xla": xla, "bf16": bf16, "bf16_mixed": autocast_dtypes(), "feed": feed}
 
 
 class Recorded(torch.utils.data.Dataset):
