@@ -151,6 +151,30 @@ def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
         if strategy == "fsdp":  # deepspeed refuses lite.clip_gradients altogether
             assert errors["unknown_optimizer"].startswith("ValueError") and "not set up in this run" in errors["unknown_optimizer"]
         assert errors["after"] == 2
+    _check_aborts(result.json())
+
+
+ABORTS = {  # case: the rank that raises, and its message
+    "replaying": (0, "rank 0 fails while rank 1 replays"),
+    "mid_step": (0, "rank 0 fails between its forward and its backward"),
+    "both_run": (1, "rank 1 fails between its forward and its backward"),
+    "out_of_data": (1, "rank 1 fails after its loop, inside the block"),
+}
+
+
+def _check_aborts(everyone):
+    """A rank left the block by an exception: it got its own, every other rank
+    PeerLeftJoinError, and the next collective paired (rank values 1 + 2): no hang, no shift."""
+    assert len(everyone) == 2
+    for rank, errors in enumerate(everyone):
+        assert sorted(errors["aborts"]) == sorted(ABORTS)
+        for case, (raiser, message) in ABORTS.items():
+            got = errors["aborts"][case]
+            if rank == raiser:
+                assert got["error"] == f"KeyError: {message!r}", (case, rank, got)
+            else:
+                assert got["error"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception"), (case, rank, got)
+            assert got["after"] == 3.0, (case, rank, got)
 
 
 def test_a_scheduler_stepped_after_the_loop_inside_join_is_an_error_not_a_hang(script):

@@ -96,6 +96,70 @@ def test_fsdp_resumes_exactly(script):
     _same(second[0], first[0])
 
 
+def _order(epoch, seed=7):
+    """The shuffled order of an epoch on several ranks: DistributedSampler's (seed + epoch)."""
+    return torch.randperm(N, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def _one_then_two_reference(first_epoch):
+    """Plain torch: resume.py's model without dropout trained one epoch in one process over
+    ``first_epoch`` (its order), then epochs 1 and 2 as 2 ranks in lite.join compute them: per
+    step, the running ranks' mean-loss gradients summed and divided by 2."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Identity(), torch.nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def grads(idx):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for i in range(0, N, 4):
+        opt.zero_grad()
+        grads(first_epoch[i : i + 4])
+        opt.step()
+    for epoch in (1, 2):
+        shares = [_order(epoch)[r::2] for r in range(2)]
+        per_rank = [[share[i : i + 4] for i in range(0, len(share), 4)] for share in shares]
+        for step in range(max(map(len, per_rank))):
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for batches in per_rank:
+                if step < len(batches):
+                    total = [t + g for t, g in zip(total, grads(batches[step]))]
+            for p, t in zip(model.parameters(), total):
+                p.grad = t / 2
+            opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_one_process_resumes_on_two_ranks_from_an_epoch_boundary_and_refuses_mid_epoch(script):
+    # o: one process saves at the end of epoch 0; m: one process stopped by SIGTERM after step 3
+    single = _launch(script, "single", 1, "o,epoch,join,0,1,nodrop", "m,run,join,0,3,nodrop")
+    assert single[0][0]["params"] is None and single[1][0]["params"] is None  # both stopped
+    first = single[0][0]["read"]
+    assert sorted(first) == ["0"] and sorted(first["0"]) == list(range(N))
+    assert len(single[1][0]["read"]["0"]) == 3 * 4
+    expected = _one_then_two_reference(first["0"])
+    for strategy in ("ddp", "fsdp"):
+        refused, resumed = _launch(script, strategy, 2, "m,tryload,join,0,0,nodrop", "o,run,join,0,0,nodrop")
+        assert len(refused) == len(resumed) == 2
+        for rank in refused:  # every rank refuses the 1-process mid-epoch cursor, naming it
+            assert rank["params"].startswith(
+                "ValueError: This loader was saved in the middle of epoch 0 by a run of 1 process(es) "
+                "and is loaded by one of 2"
+            ), (strategy, rank["params"])
+            assert "save at the end of an epoch" in rank["params"]
+        for r, rank in enumerate(resumed):
+            # the next epochs on 2 ranks: their shuffled order, every sample once (inside join)
+            assert sorted(rank["read"]) == ["1", "2"], (strategy, r)
+            for epoch in (1, 2):
+                assert rank["read"][str(epoch)] == _order(epoch)[r::2], (strategy, r, epoch)
+            worst = max_diff(rank["params"], expected, f"{strategy} rank {r}'s parameters")
+            assert worst <= 1e-5, f"{strategy} rank {r}: parameters differ from the one-process reference by {worst:.3g}"
+
+
 def test_single_resumes_from_the_last_complete_checkpoint_after_sigkill_mid_save(tmp_path, script):
     # k saves after every step, with 16 MB in each checkpoint; it is killed while writing one
     env = _env()
@@ -194,16 +258,6 @@ def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(
     assert resumed == expected
     assert torch.equal(torch.rand(3), later)  # the next pass drew what the uninterrupted one drew
     assert sorted(itertools.chain(*seen, *resumed[:2])) == [float(i) for i in range(10)]  # the pass: each once
-
-
-def test_several_processes_cannot_take_over_an_epoch_one_process_began(tmp_path):
-    loader = lite.setup_dataloader(_loader(shuffle=True))
-    next(iter(loader))
-    lite.save(tmp_path / "c.pt", {"loader": loader})
-    entry = lite.load(tmp_path / "c.pt")["loader"]
-    restarted = lite.setup_dataloader(_loader(shuffle=True))
-    with pytest.raises(ValueError, match=r"saved in the middle of epoch \d+ by a run of 1 process"):
-        restarted.cursor.load(entry, rank=0, world_size=2)  # what lite.load does on rank 0 of 2
 
 
 def test_a_loader_over_an_iterable_dataset_is_refused_mid_pass_at_save(tmp_path):

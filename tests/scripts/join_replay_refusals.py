@@ -2,7 +2,9 @@
 
 argv: strategy case
   case "batched": every refusal that all ranks meet together, one after another, in one run;
-  rank 0 writes each rank's error messages.
+  then a rank leaving the block by an exception at several points (while the other rank
+  replays, mid-step, while both run, and the rank out of data itself), each followed by a
+  collective after the block; rank 0 writes each rank's error messages and values.
   case "sched_after_loop": an LR scheduler stepped after the loop inside the block on uneven
   data; the run must end with the error, not hang.
 """
@@ -77,6 +79,37 @@ with lite.launch(strategy=name, devices=2, accelerator="cpu", timeout=300) as ru
             loss = torch.nn.functional.mse_loss(model(x[:1]), y[:1]) + torch.nn.functional.mse_loss(model(x[1:]), y[1:])
             lite.backward(loss)
 
+    # -- a rank leaves the block by an exception (rank 0 has 3 steps, rank 1 one) ----------------
+    def abort(raiser: int, where: str) -> None:
+        with lite.join(model):
+            for i in range(3 if rank == 0 else 1) if where != "both_run" else range(2):
+                if where == "replaying" and rank == raiser and i == 2:  # rank 1 replays since step 1
+                    raise KeyError(f"rank {rank} fails while rank 1 replays")
+                out = model(x)
+                if where in ("mid_step", "both_run") and rank == raiser and i == (2 if where == "mid_step" else 1):
+                    raise KeyError(f"rank {rank} fails between its forward and its backward")
+                lite.backward(torch.nn.functional.mse_loss(out, y))
+                opt.step()
+                opt.zero_grad()
+            if where == "out_of_data" and rank == raiser:  # rank 1, after its loop, while rank 0 runs
+                raise KeyError(f"rank {rank} fails after its loop, inside the block")
+
+    def left(raiser: int, where: str) -> dict:
+        try:
+            abort(raiser, where)
+            outcome = "no error"
+        except (KeyError, RuntimeError) as e:  # PeerLeftJoinError is a RuntimeError
+            outcome = f"{type(e).__name__}: {e}"
+        opt.zero_grad()
+        return {"error": outcome, "after": lite.all_reduce(float(rank + 1))}  # still a pair: 1 + 2
+
+    aborts = {
+        "replaying": left(0, "replaying"),
+        "mid_step": left(0, "mid_step"),
+        "both_run": left(1, "both_run"),
+        "out_of_data": left(1, "out_of_data"),
+    }
+
     cases = {"plain": plain, "lr_by_hand": lr_by_hand, "disagree": disagree, "plateau": plateau, "two_forwards": two_forwards}
     if not name.startswith("deepspeed"):  # deepspeed refuses clip_gradients anyway
         cases["unknown_optimizer"] = unknown_optimizer
@@ -85,6 +118,7 @@ with lite.launch(strategy=name, devices=2, accelerator="cpu", timeout=300) as ru
     with lite.join(model):  # the session still works after all that
         step()
     errors["after"] = lite.all_reduce(1)
+    errors["aborts"] = aborts
     everyone = [lite.broadcast(errors, src=r) for r in range(run.world_size)]
     if rank == 0:
         write(everyone)
