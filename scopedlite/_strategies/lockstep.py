@@ -104,7 +104,21 @@ class GatherLedger:
             f"it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
         )
 
+    def close(self) -> None:
+        """Let go of the store when the run ends (the strategy's ``stop``).
+
+        Held past the block, the store hosted by rank 0 outlived its run, with its server
+        thread: a later launch block in the process (a notebook, a script's second block)
+        forks its workers from that process, and the forked workers hung.
+        """
+        self.store = None
+
     def _write(self) -> None:
+        if self.store is None:
+            raise RuntimeError(
+                f"The {self.strategy} run this model was set up in has ended: its parameters can no "
+                "longer be gathered. Use the model inside its `with lite.launch(...)` block."
+            )
         self.store.set(self._key(self.rank), f"{self.step}:{self.method_step}:{self.method_name}")
 
     def _key(self, rank: int) -> str:

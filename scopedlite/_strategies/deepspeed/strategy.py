@@ -204,6 +204,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             os.environ[key] = value
 
     def stop(self) -> None:
+        if getattr(self, "_ledger", None) is not None:
+            self._ledger.close()
         self.engines.release_all()  # releases the engines' hooks and buffers
         self.engines = Engines()
         if self._deepspeed_comm:

@@ -193,6 +193,11 @@ class FSDPStrategy(ProcessGroupStrategy):
             GatherLedger.of_default_group(self.name, _WITHOUT_GATHERING) if placement.world_size > 1 else None
         )
 
+    def stop(self) -> None:
+        if getattr(self, "_ledger", None) is not None:
+            self._ledger.close()
+        super().stop()
+
     # -- building and sharding ------------------------------------------------------------
     def module_init_context(self, empty: bool) -> ContextManager[Any]:
         """Build on the meta device: no memory at all until :meth:`setup_module` shards."""
