@@ -612,3 +612,19 @@ def test_a_script_started_by_rank_1_launches_a_run_of_its_own(run_python, tmp_pa
     assert "CHILD 21 2 {'RANK': None, 'WORLD_SIZE': None, 'SCOPEDLITE_LAUNCH_TOKEN': None}" in child_out, child_out
     assert "RANK in the environment of rank 0 : None" in result.stdout
     assert "RANK in the environment of rank 1 : None" in result.stdout  # as on rank 0
+
+
+@pytest.mark.timeout(120)
+def test_a_second_forked_block_after_an_fsdp_block_starts_and_runs(run_python):
+    # The first block's gather ledger kept rank 0's store alive past the block, and the
+    # workers forked for the next block hung before reaching it.
+    code = (
+        "import torch, scopedlite as lite\n"
+        "for name in ('fsdp', 'fsdp', 'ddp'):\n"
+        "    with lite.launch(strategy=name, devices=2, accelerator='cpu', launcher='fork', timeout=300) as run:\n"
+        "        total = lite.all_reduce(torch.tensor([run.global_rank + 1.0])).item()\n"
+        "        lite.print(name, total)\n"
+    )
+    result = run_python("-c", code, timeout=90)
+    assert result.returncode == 0, result.explain()
+    assert result.stdout.split() == ["fsdp", "3.0", "fsdp", "3.0", "ddp", "3.0"], result.explain()
