@@ -11,6 +11,7 @@ The rest (what is saved, bad input) runs in this process.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import signal
@@ -142,7 +143,8 @@ def test_one_process_resumes_on_two_ranks_from_an_epoch_boundary_and_refuses_mid
     assert sorted(first) == ["0"] and sorted(first["0"]) == list(range(N))
     assert len(single[1][0]["read"]["0"]) == 3 * 4
     expected = _one_then_two_reference(first["0"])
-    for strategy in ("ddp", "fsdp"):
+    with_deepspeed = ("deepspeed_stage_3",) if importlib.util.find_spec("deepspeed") is not None else ()
+    for strategy in ("ddp", "fsdp", *with_deepspeed):
         refused, resumed = _launch(script, strategy, 2, "m,tryload,join,0,0,nodrop", "o,run,join,0,0,nodrop")
         assert len(refused) == len(resumed) == 2
         for rank in refused:  # every rank refuses the 1-process mid-epoch cursor, naming it
