@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
-from scopedlite._private.torch_internals import set_group_timeout
+from scopedlite._private.torch_internals import forget_dtensor_shardings, live_process_groups, set_group_timeout
 
 __all__ = [
     "adopt_existing_group",
     "all_gather_tensor",
     "all_reduce_tensor",
     "barrier",
+    "gather_into",
     "broadcast_any",
     "init_process_group",
 ]
@@ -56,6 +57,7 @@ def init_process_group(
             "creates and destroys its own: call torch.distributed.destroy_process_group() "
             "before lite.launch(...), or let the launch make it."
         )
+    forget_dtensor_shardings()  # a forked worker's copy of its parent's (see there)
     kwargs: dict[str, Any] = {}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
@@ -199,6 +201,15 @@ def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[
     return True
 
 
+# The groups of every run this process ended, held for as long as it lives. A user object may
+# keep one past its run (a DDP model in a notebook's namespace: its reducer holds the group);
+# a worker forked for a later block inherits that object, and were the worker to drop it, the
+# group's destructor would wait on the gloo threads of the parent, which a child does not have:
+# the worker hangs (a notebook cell that assigns `model` again in a second launch block). Held
+# here, no forked copy is ever the last owner. Each costs the parent a few idle threads.
+_RETIRED_GROUPS: list[Any] = []
+
+
 def destroy_process_group() -> None:
     """End the run's process group, unless it existed before ``launch``: that one is its
     maker's (Ray Train, a framework, the script), and stays."""
@@ -207,7 +218,9 @@ def destroy_process_group() -> None:
         _adopted.clear()
         return
     if dist.is_initialized():
+        _RETIRED_GROUPS.extend(live_process_groups())
         dist.destroy_process_group()
+    forget_dtensor_shardings()  # their meshes name the groups just destroyed
     if _own_store:
         _release_store(*_own_store.pop())
 
@@ -250,6 +263,14 @@ def all_gather_tensor(tensor: torch.Tensor, device: torch.device, group: Any = N
     parts = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, work, group=group)
     return torch.stack(parts).to(tensor.device)
+
+
+def gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``tensor`` into ``output``, concatenated in rank order: torch's
+    ``all_gather_single`` (2.13; it deprecates ``all_gather_into_tensor`` with a warning on
+    every call), ``all_gather_into_tensor`` on older torch."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
 
 
 def final_gloo_barrier() -> bool:

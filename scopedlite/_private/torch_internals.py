@@ -23,7 +23,9 @@ __all__ = [
     "default_store",
     "fsdp_cast_forward_inputs",
     "fsdp_post_forward",
+    "forget_dtensor_shardings",
     "fsdp_pre_forward",
+    "live_process_groups",
     "local_box",
     "op_facts",
     "overwrite_buffers",
@@ -266,3 +268,38 @@ def fsdp_post_forward(module: torch.nn.Module, output: Any) -> Any:
     Why private: see :func:`fsdp_cast_forward_inputs`. Checked against torch 2.13.
     """
     return module._get_fsdp_state()._post_forward(module, (), output)  # type: ignore[operator]
+
+
+def forget_dtensor_shardings() -> None:
+    """Empty DTensor's sharding-propagation caches (the Python one and the C++ fast path's).
+
+    Their entries hold output specs, and a spec holds its DeviceMesh, which names its process
+    groups; the keys compare meshes by shape and dimension names only. A mesh of a run whose
+    groups are gone (an earlier launch block of this process, or of the parent a worker was
+    forked from, where rank 0's group names are not this rank's) then equals this run's, and
+    a DTensor op hands out the stale mesh: its next collective fails ("Could not resolve the
+    process group") or reaches a live group of the same name. torch has no public way to
+    clear them (``torch.distributed.tensor.debug._clear_sharding_prop_cache`` makes these two
+    calls, on torch 2.13 only), so they are called here, each only where it exists.
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # never imported: nothing cached
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    cache = getattr(propagator, "propagate_op_sharding", None)
+    if hasattr(cache, "cache_clear"):
+        cache.cache_clear()
+    fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if fast_path is not None:
+        fast_path()
+
+
+def live_process_groups() -> list[Any]:
+    """Every process group this process holds: the default one and every subgroup (DDP's,
+    a DeviceMesh's, DeepSpeed's, ours).
+
+    Why private: torch lists them only in ``distributed_c10d._world.pg_map``; the public API
+    names the default group alone. Checked against torch 2.9.0 and 2.13.0.
+    """
+    return list(distributed_c10d._world.pg_map)

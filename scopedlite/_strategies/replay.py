@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.distributed import broadcast_any
+from scopedlite._comm.distributed import broadcast_any, gather_into
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import overwrite_buffers
 from scopedlite._strategies.join_events import EventRecorder
@@ -242,7 +242,7 @@ class ReplaySession:
     def _exchange(self, opener: Opener) -> Round:
         row = torch.tensor(opener.encode(), dtype=torch.float64)
         rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
-        dist.all_gather_into_tensor(rows, row, group=self.group)
+        gather_into(rows, row, group=self.group)
         return Round(rows.view(self.world_size, LENGTH).tolist())
 
     def _round(self, opener: Opener) -> Round:
