@@ -628,3 +628,13 @@ def test_a_second_forked_block_after_an_fsdp_block_starts_and_runs(run_python):
     result = run_python("-c", code, timeout=90)
     assert result.returncode == 0, result.explain()
     assert result.stdout.split() == ["fsdp", "3.0", "fsdp", "3.0", "ddp", "3.0"], result.explain()
+
+
+def test_later_forked_blocks_whose_workers_drop_an_earlier_blocks_model_finish(script):
+    """A notebook's second cell assigns `model` again inside its launch block: every forked
+    worker drops its copy of the DDP model rank 0 kept from the first block, and with it that
+    run's gloo group, whose destructor waited on threads a forked child does not have (the
+    worker hung at the assignment, until launch's timeout)."""
+    result = script("later_block_drops_model", timeout=60)
+    assert result.returncode == 0, result.explain()
+    assert result.json() == [3.0, 3.0, 3.0]  # each block's all_reduce of ranks 1 + 2
