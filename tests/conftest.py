@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 import torch.distributed as dist
+from zygote import Zygote
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -49,7 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build DeepSpeed's op before the tests run (no per-test timeout applies to hooks)."""
-    if session.config.option.collectonly or not any(i.get_closest_marker("deepspeed_op") for i in session.items):
+    if session.config.option.collectonly or not any(
+        i.get_closest_marker("deepspeed_op") or "deepspeed" in i.nodeid for i in session.items
+    ):
         return
     import importlib.util
 
@@ -122,7 +126,7 @@ def no_leaks():
     while True:
         leftover = [
             p for p in psutil.Process().children(recursive=True)
-            if p.pid not in children_before and p.status() != psutil.STATUS_ZOMBIE
+            if p.pid not in children_before and p.pid != _ZYGOTE.pid and p.status() != psutil.STATUS_ZOMBIE
         ]
         if not leftover or time.monotonic() > deadline:
             break
@@ -131,10 +135,10 @@ def no_leaks():
 
 
 class ScriptResult:
-    def __init__(self, proc: subprocess.CompletedProcess[str], out: Path, seconds: float) -> None:
-        self.returncode = proc.returncode
-        self.stdout = proc.stdout
-        self.stderr = proc.stderr
+    def __init__(self, returncode: int, stdout: str, stderr: str, out: Path, seconds: float) -> None:
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
         self.seconds = seconds
         self._out = out
 
@@ -150,6 +154,33 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+_ZYGOTE = Zygote()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _ZYGOTE.close()
+
+
+def run_warm(
+    script: Path | str, *args: str, tmp_path: Path, timeout: float = 90,
+    env: dict[str, str] | None = None, cwd: Path | None = None,
+) -> ScriptResult:
+    """Run ``python script *args`` forked from the zygote (tests/zygote.py: torch imported
+    already, the script's launch forks its workers); the script may write JSON to $OUT."""
+    out = tmp_path / f"out-{time.monotonic_ns()}.json"
+    full_env = _env()
+    full_env["OUT"] = str(out)
+    full_env.update(env or {})
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as printed:  # not in tmp_path, which scripts may list
+        stdout, stderr = Path(printed, "stdout"), Path(printed, "stderr")
+        try:
+            code = _ZYGOTE.run([str(script), *map(str, args)], full_env, cwd or tmp_path, timeout, stdout, stderr)
+        except subprocess.TimeoutExpired as e:  # with what it printed, as subprocess.run gives it
+            raise subprocess.TimeoutExpired(e.cmd, timeout, stdout.read_text(), stderr.read_text()) from None
+        return ScriptResult(code, stdout.read_text(), stderr.read_text(), out, time.monotonic() - start)
 
 
 @pytest.fixture
@@ -170,16 +201,20 @@ def run_python(tmp_path):
             env=full_env,
             cwd=str(cwd or tmp_path),
         )
-        return ScriptResult(proc, out, time.monotonic() - start)
+        return ScriptResult(proc.returncode, proc.stdout, proc.stderr, out, time.monotonic() - start)
 
     return run
 
 
 @pytest.fixture
-def script(run_python):
-    """Run one of tests/scripts/<name>.py with arguments."""
+def script(run_python, tmp_path):
+    """Run one of tests/scripts/<name>.py with arguments: forked from the zygote, or with
+    ``fresh=True`` as ``python script.py`` (its launch re-executes the command line)."""
 
-    def run(name: str, *args: str, **kwargs: Any) -> ScriptResult:
-        return run_python(str(SCRIPTS / f"{name}.py"), *map(str, args), **kwargs)
+    def run(name: str, *args: str, fresh: bool = False, **kwargs: Any) -> ScriptResult:
+        path = SCRIPTS / f"{name}.py"
+        if fresh:
+            return run_python(str(path), *map(str, args), **kwargs)
+        return run_warm(path, *map(str, args), tmp_path=tmp_path, **kwargs)
 
     return run

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, _env
+from conftest import SCRIPTS, run_warm
 
 import scopedlite as lite
 
@@ -62,17 +61,10 @@ def moves(tmp_path_factory):
     """Every launch's results: {(strategy, world size): {job: result}}, and the folder."""
     folder = tmp_path_factory.mktemp("moves")
     results: dict[tuple[str, int], dict[str, dict]] = {}
-    for index, launch in enumerate(LAUNCHES):
-        out = folder / f"out-{index}.json"
-        # glibc keeps freed blocks in its heap, where RSS would go on counting them: every
-        # block above 64 KiB mapped on its own makes RSS the memory in use (bigload)
-        env = {**_env(), "OUT": str(out), "MALLOC_MMAP_THRESHOLD_": "65536"}
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPTS / "checkpoint_moves.py"), str(folder), json.dumps(launch)],
-            capture_output=True, text=True, timeout=240, env=env, cwd=folder,
-        )
-        assert proc.returncode == 0, f"launch {launch}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        for block in json.loads(out.read_text()):
+    for launch in LAUNCHES:
+        result = run_warm(SCRIPTS / "checkpoint_moves.py", folder, json.dumps(launch), tmp_path=folder, timeout=240, cwd=folder)
+        assert result.returncode == 0, f"launch {launch}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        for block in result.json():
             results.setdefault((block["strategy"], block["world_size"]), {}).update(block["jobs"])
     return results, folder
 

@@ -7,11 +7,11 @@ Each ```python block of README.md and docs/*.md is one of three kinds:
   (``inspect.signature``);
 - **marked** on its first line with ``# ... not run by the tests: <why>`` (it needs a GPU,
   several nodes, or a library the tests do not install); such a block is only parsed;
-- **an example**, which runs. Every example runs in one subprocess, ``python -`` reading the
-  runner below from stdin: launch cannot re-execute a script read from stdin, so every
-  multi-process block forks, as in a notebook, in a fraction of a second. A page's examples
-  run in order, in one namespace and one fresh folder, as a reader pastes them one after
-  another, after the stand-ins docs/index.md names (``Net``, ``dataset``, ``loader``).
+- **an example**, which runs. A page's examples run in one process forked from the test
+  zygote (tests/zygote.py: torch imported already, no command line to re-execute), so every
+  multi-process block forks, as in a notebook, in a fraction of a second. They run in order,
+  in one namespace and one fresh folder, as a reader pastes them one after another, after the
+  stand-ins docs/index.md names (``Net``, ``dataset``, ``loader``).
 
 Every block, of every kind, must name only real public API (``lite.X`` exists).
 README's first example, as pasted into a file and run with ``python``, is in test_examples.py.
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 import scopedlite
-from conftest import REPO, _env
+from conftest import REPO, _env, run_warm
 
 PAGES = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 MARKER = re.compile(r"^#.*not run by the tests: (?P<why>\S.*?)\)?$", re.I)
@@ -185,6 +185,8 @@ def examples_run(tmp_path_factory):
     """Run every example block once: each page's blocks in order, in one fresh process per
     page (a page's blocks build on each other; pages do not). What each printed and raised."""
     folder = tmp_path_factory.mktemp("docs-examples")
+    runner = folder / "runner.py"
+    runner.write_text(RUNNER)
     pages: dict[str, list[dict[str, object]]] = {}
     for block in BLOCKS:
         if _kind(block) == "example":
@@ -206,10 +208,7 @@ def examples_run(tmp_path_factory):
             "pages": [{"name": name, "blocks": blocks}],
         }))
         try:
-            proc = subprocess.run(
-                [sys.executable, "-", str(spec)], input=RUNNER, capture_output=True, text=True,
-                env=env, cwd=folder, timeout=150,
-            )
+            proc = run_warm(runner, spec, tmp_path=folder, env=env, cwd=folder, timeout=150)
             text_out, text_err, code = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as timeout:
             text_out, text_err, code = _text(timeout.stdout), _text(timeout.stderr), "timeout"

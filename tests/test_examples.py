@@ -2,7 +2,10 @@
 
 Every command an example's docstring shows (``python examples/x.py --flag``) is run by a test
 below with exactly those arguments: RUN_HERE lists them, and a test checks that the list is
-what the docstrings show.
+what the docstrings show. README's main job (train.py), README's first example and the
+preempted run of resume.py start as typed, ``python x.py`` (workers re-execute the command
+line); the other examples run forked from the test zygote (tests/zygote.py: torch imported
+already, launch forks their workers): the same code and numbers, seconds sooner.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_warm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,15 +89,25 @@ def test_readme_first_example_runs_as_pasted_and_is_index_mds(run_python, tmp_pa
     assert "[rank 1]" not in result.stdout  # lite.print: rank 0 only
 
 
+@pytest.fixture
+def example(tmp_path):
+    """Run examples/<name> with arguments, forked from the test zygote, in ``tmp_path``."""
+
+    def run(name: str, *args: str, timeout: float = 90):
+        return run_warm(REPO / "examples" / name, *args, tmp_path=tmp_path, timeout=timeout)
+
+    return run
+
+
 def _floats(pattern: str, text: str) -> list[float]:
     return [float(v) for v in re.findall(pattern, text)]
 
 
 @pytest.mark.parametrize(("args", "devices"), [((), 3), (("--devices", "4"), 4)], ids=["3-ranks", "4-ranks"])
-def test_example_eval_uneven_join_gives_the_one_process_mean(run_python, args, devices):
+def test_example_eval_uneven_join_gives_the_one_process_mean(example, args, devices):
     # 4 ranks: 3, 3, 2 and 2 samples, so ranks 2-3 reach the all_reduce after the loop while
     # ranks 0-1 still run a forward: the collective waits for them, matched by its line
-    result = run_python(str(REPO / "examples" / "eval_uneven.py"), *args)
+    result = example("eval_uneven.py", *args)
     assert result.returncode == 0, result.explain()
     assert f"10 samples on {devices} ranks" in result.stdout
     (padded,) = _floats(r"padded sampler, no join: mean loss ([0-9.]+)", result.stdout)
@@ -105,9 +118,9 @@ def test_example_eval_uneven_join_gives_the_one_process_mean(run_python, args, d
 
 
 @pytest.mark.parametrize("accumulate", [4, 8], ids=["default", "accumulate-8"])
-def test_example_accumulate_matches_one_process_on_the_big_batch(run_python, accumulate):
+def test_example_accumulate_matches_one_process_on_the_big_batch(example, accumulate):
     args = () if accumulate == 4 else ("--accumulate", "8")
-    result = run_python(str(REPO / "examples" / "accumulate.py"), *args)
+    result = example("accumulate.py", *args)
     assert result.returncode == 0, result.explain()
     assert f"2 process(es), {accumulate} micro-batches of 8 per step" in result.stdout
     assert "gradients stayed local inside no_backward_sync: True" in result.stdout
@@ -118,8 +131,8 @@ def test_example_accumulate_matches_one_process_on_the_big_batch(run_python, acc
 
 
 @pytest.mark.parametrize("args", [(), ("--strategy", "fsdp"), ("--join",)], ids=["ddp", "fsdp", "join"])
-def test_example_nanogpt_logs_the_mfu_on_rank_zero_and_learns(run_python, args):
-    result = run_python(str(REPO / "examples" / "nanogpt.py"), *args)
+def test_example_nanogpt_logs_the_mfu_on_rank_zero_and_learns(example, args):
+    result = example("nanogpt.py", *args)
     assert result.returncode == 0, result.explain()
     logged = re.findall(r"^iter (\d+): loss ([0-9.]+), time [0-9.]+ms, mfu (-?[0-9.]+)%$", result.stdout, re.M)
     assert [int(i) for i, _, _ in logged] == list(range(12)), result.stdout  # rank 0 alone, every iteration
@@ -149,9 +162,9 @@ def _deepspeed_installed() -> bool:
         ),
     ],
 )
-def test_example_sharded_trains_saves_and_loads_the_folder_in_one_process(run_python, tmp_path, strategy):
+def test_example_sharded_trains_saves_and_loads_the_folder_in_one_process(example, tmp_path, strategy):
     args = () if strategy == "fsdp" else ("--strategy", strategy)
-    result = run_python(str(REPO / "examples" / "sharded.py"), *args, timeout=110)
+    result = example("sharded.py", *args, timeout=110)
     assert result.returncode == 0, result.explain()
     held = {int(r): (int(local), int(full)) for r, local, full in re.findall(r"rank (\d) holds (\d+) of (\d+)", result.stdout)}
     assert sorted(held) == [0, 1], result.stdout
@@ -165,7 +178,7 @@ def test_example_sharded_trains_saves_and_loads_the_folder_in_one_process(run_py
     assert loaded == pytest.approx(in_run, rel=1e-4, abs=1e-6), result.stdout
 
 
-def test_example_resume_stops_on_sigterm_and_continues_where_it_stopped(run_python, tmp_path):
+def test_example_resume_stops_on_sigterm_and_continues_where_it_stopped(example, tmp_path):
     import os
     import signal
     import subprocess
@@ -193,7 +206,7 @@ def test_example_resume_stops_on_sigterm_and_continues_where_it_stopped(run_pyth
     assert epoch == 0 and 3 <= step < 24, first
     assert (tmp_path / "resume-ckpt.pt").is_file()
 
-    result = run_python(str(REPO / "examples" / "resume.py"))
+    result = example("resume.py")
     assert result.returncode == 0, result.explain()
     assert f"resumed at epoch {epoch}, step {step}" in result.stdout
     # 512 samples on 2 ranks in batches of 32: 8 steps an epoch, 24 in 3, however it was cut

@@ -18,22 +18,28 @@ POINTS = ("init", "forward", "collective", "save")
 _rng = random.Random(20261129)
 # Two seeded rounds: every fault kind meets a random point and a random worker in each round,
 # so the set covers every kind and every point while staying small enough to run on 2 cores.
-CASES = []
+SEEDED = []
 for _round in range(2):
     points = list(POINTS)
     _rng.shuffle(points)
-    CASES += [(_rng.choice((1, 2)), mode, point) for mode, point in zip(MODES, points)]
-# rank 0 is the main process: it raising must stop the workers too
-CASES = list(dict.fromkeys(CASES)) + [(0, "raise", "forward"), (0, "raise", "collective")]
-# Faults found by trying it as a new user would (issue 18): a rank whose DataLoader workers keep
-# its sockets open, a rank leaving the block with sys.exit(0), a rank skipping a collective.
-CASES += [
+    SEEDED += [(_rng.choice((1, 2)), mode, point) for mode, point in zip(MODES, points)]
+SEEDED = list(dict.fromkeys(SEEDED))
+OTHERS = [
+    (0, "raise", "forward"),  # rank 0 is the main process: it raising must stop the workers too
+    (0, "raise", "collective"),
+    # Faults found by trying it as a new user would (issue 18): a rank whose DataLoader workers
+    # keep its sockets open, a rank leaving the block with sys.exit(0), a rank skipping a collective.
     (1, "kill_loader", "collective"),
     (1, "kill_loader", "forward"),
     (1, "exit0", "collective"),
     (2, "exit0", "init"),
     (1, "skip", "collective"),
 ]
+# Both ways our launcher starts workers meet every fault kind: the first seeded round runs as
+# `python fault.py` (workers re-execute the command line), the second forked from the test
+# zygote (conftest.py: launch forks the workers, as in a notebook); the other cases alternate.
+CASES = [(*case, "script" if i < len(MODES) else "fork") for i, case in enumerate(SEEDED)]
+CASES += [(*case, ("script", "fork")[i % 2]) for i, case in enumerate(OTHERS)]
 
 EXPECTED = {
     "raise": "RuntimeError: injected fault",
@@ -45,9 +51,9 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize(("rank", "mode", "point"), CASES)
-def test_fault_ends_the_run_cleanly(script, rank, mode, point):
-    result = script("fault", rank, mode, point)
+@pytest.mark.parametrize(("rank", "mode", "point", "start"), CASES)
+def test_fault_ends_the_run_cleanly(script, rank, mode, point, start):
+    result = script("fault", rank, mode, point, fresh=start == "script")
     out = result.json()
     if rank == 0:
         assert out["error"] == "RuntimeError", result.explain()

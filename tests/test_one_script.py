@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +25,9 @@ import pytest
 
 import torch
 
+from conftest import run_warm
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "one_script.py"
-REPO = SCRIPT.parent.parent.parent
 sys.path.insert(0, str(SCRIPT.parent))
 from _common import assert_close, max_diff  # noqa: E402
 from _one_script_common import build, global_batch, loss_of, probe, sgd  # noqa: E402
@@ -65,16 +63,9 @@ COMPARED = [
 
 
 def _run(strategy: str, directory: Path) -> dict:
-    out = directory / "result.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OUT"] = str(out)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), strategy, str(directory)],
-        check=False, capture_output=True, text=True, timeout=TIMEOUT - 20, env=env, cwd=str(directory),
-    )
-    assert proc.returncode == 0, f"{strategy}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+    result = run_warm(SCRIPT, strategy, directory, tmp_path=directory, timeout=TIMEOUT - 20, cwd=directory)
+    assert result.returncode == 0, f"{strategy}: exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    return result.json()
 
 
 def _flat(model: torch.nn.Module) -> dict[str, list[float]]:

@@ -13,6 +13,7 @@ Rank 0 writes, per launch and job: the global mean loss of each step, the step c
 loaded, what load returned, the final parameters; for ``bigload`` every rank's memory.
 """
 
+import ctypes
 import gc
 import json
 import os
@@ -25,6 +26,11 @@ from _moves_common import BATCH, Big, make_data, make_net, make_optimizer, sampl
 import scopedlite as lite
 
 folder, launches = sys.argv[1], json.loads(sys.argv[2])
+
+# glibc keeps freed blocks in its heap, where RSS would go on counting them: every block above
+# 64 KiB mapped on its own (M_MMAP_THRESHOLD, which MALLOC_MMAP_THRESHOLD_ sets at start) makes
+# RSS the memory in use (bigload).
+ctypes.CDLL(None).mallopt(-3, 65536)
 
 
 def full(t):
