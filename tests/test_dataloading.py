@@ -8,17 +8,14 @@ exact order where the contract promises it. The rest runs in this process.
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPTS, _env
+from conftest import SCRIPTS, run_warm
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
@@ -61,14 +58,10 @@ def batch_count(items, batch):
 def ranks(request, tmp_path_factory):
     """Every rank's record from one launch: one launch per world size serves every check
     below, since real processes are the expensive part."""
-    out = tmp_path_factory.mktemp("data") / "out.json"
-    env = dict(_env(), OUT=str(out))
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "data_order.py"), str(request.param)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=str(out.parent), check=False,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())
+    folder = tmp_path_factory.mktemp("data")
+    result = run_warm(SCRIPTS / "data_order.py", request.param, tmp_path=folder, timeout=120)
+    assert result.returncode == 0, result.explain()
+    return result.json()
 
 
 @pytest.mark.parametrize("case", CASES + ["rebuilt", "resumed"])

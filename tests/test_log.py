@@ -8,6 +8,7 @@ import csv
 
 import pytest
 import torch
+from conftest import run_warm
 
 import scopedlite as lite
 
@@ -145,9 +146,9 @@ except WorkerFailedError as e:
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_write_once_and_a_failing_run_keeps_its_values(run_python, tmp_path):
+def test_two_ranks_write_once_and_a_failing_run_keeps_its_values(tmp_path):
     (tmp_path / "two.py").write_text(TWO_RANKS)
-    result = run_python(str(tmp_path / "two.py"), str(tmp_path))
+    result = run_warm(tmp_path / "two.py", tmp_path, tmp_path=tmp_path)
     assert result.returncode == 0, result.explain()
     assert "failed as expected: True" in result.stdout, result.explain()
     assert rows(tmp_path / "ok.csv") == [

@@ -4,6 +4,7 @@ join block, gives the exact whole-dataset metric on 2 and 3 ranks with uneven sh
 from __future__ import annotations
 
 import pytest
+from conftest import run_warm
 
 pytest.importorskip("torchmetrics", reason="torchmetrics is in the test extra (pip install scopedlite[test])")
 
@@ -72,9 +73,9 @@ with open(os.environ["OUT"], "w") as f:
 
 
 @pytest.mark.timeout(180)
-def test_update_in_join_and_compute_after_it_is_the_whole_dataset_metric(run_python, tmp_path):
+def test_update_in_join_and_compute_after_it_is_the_whole_dataset_metric(tmp_path):
     (tmp_path / "metrics.py").write_text(METRICS)
-    result = run_python(str(tmp_path / "metrics.py"), timeout=170)
+    result = run_warm(tmp_path / "metrics.py", tmp_path=tmp_path, timeout=170)
     assert result.returncode == 0, result.explain()
     out = result.json()
     truth = out.pop("truth")

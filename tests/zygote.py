@@ -122,7 +122,22 @@ def _kill_tree(pid: int) -> None:
 # -- the zygote itself -----------------------------------------------------------------------
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux), so a killed test session leaves no
+    zygote and no script behind."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _serve() -> None:
+    _die_with_parent()
     import torch
 
     import scopedlite  # noqa: F401
@@ -149,6 +164,7 @@ def _child(request: dict) -> None:
     code = 1
     try:
         os.setsid()  # its own session: a terminal's signals reach it as they reach a fresh run
+        _die_with_parent()
         stdin = os.open(os.devnull, os.O_RDONLY)
         out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

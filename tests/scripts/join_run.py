@@ -10,7 +10,7 @@ import sys
 import torch
 
 import scopedlite as lite
-from _common import make_data, make_model, params, write
+from _common import from_every_rank, make_data, make_model, params, write
 
 strategy, devices = sys.argv[1], int(sys.argv[2])
 configs = [tuple(int(v) for v in c.split(":")) for c in sys.argv[3].split(",")]
@@ -81,6 +81,6 @@ def run_config(rank, n, batch_size, divide):
 
 with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
     records = [run_config(run.global_rank, n, b, d == 1) for n, b, d in configs]
-    everyone = [lite.broadcast(records, src=r) for r in range(run.world_size)]
+    everyone = from_every_rank(records)
     if run.global_rank == 0:
         write(everyone)

@@ -22,7 +22,7 @@ import torch
 from _torch_models import STEP, build, eval_data, example_input, make_optimizer, scenarios, step_input
 
 import scopedlite as lite
-from _common import write
+from _common import from_every_rank, write
 
 name, ranks, suite = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if sys.argv[4:] == ["nostep"]:  # a deliberately wrong replay: the test must notice
@@ -207,6 +207,6 @@ with lite.launch(strategy=strategy, devices=ranks, accelerator="cpu", timeout=60
     for case in scenarios(suite, name, ranks):
         torch.manual_seed(1234 + run.global_rank)  # ranks differ: DDP must agree anyway
         records.append(RUNNERS[case["run"]](case, run.global_rank, ranks))
-    everyone = [lite.broadcast(records, src=r) for r in range(run.world_size)]
+    everyone = from_every_rank(records)
     if run.global_rank == 0:
         write(everyone)
