@@ -342,7 +342,10 @@ def test_ctrl_c_in_the_main_process_stops_every_worker(tmp_path):
     marks.mkdir()
     code = textwrap.dedent(
         f"""
-        import os, time, torch, scopedlite as lite
+        import os, signal, time, torch, scopedlite as lite
+        # Ctrl-C as in a terminal: Python raises KeyboardInterrupt on SIGINT unless it started
+        # with SIGINT ignored (a background job of a shell, nohup), as CI may start this.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
             open(os.path.join({str(marks)!r}, f"pid{{run.global_rank}}"), "w").write(str(os.getpid()))
             lite.barrier()
