@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import textwrap
@@ -360,7 +362,13 @@ def test_ctrl_c_in_the_main_process_stops_every_worker(tmp_path):
         time.sleep(0.05)
     time.sleep(0.5)  # rank 0 is now blocked inside the all-reduce
     os.kill(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=15)
+    try:
+        _, stderr = proc.communicate(timeout=15)
+    finally:  # not stopped: leave no process behind the failure
+        for pid in [proc.pid, *(int(p.read_text()) for p in marks.glob("pid*") if p.read_text())]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in stderr or "WorkerFailedError" in stderr, stderr
     _assert_no_survivors([int(p.read_text()) for p in marks.glob("pid*")])
@@ -633,11 +641,20 @@ def test_a_second_forked_block_after_an_fsdp_block_starts_and_runs(run_python):
     assert result.stdout.split() == ["fsdp", "3.0", "fsdp", "3.0", "ddp", "3.0"], result.explain()
 
 
-def test_later_forked_blocks_whose_workers_drop_an_earlier_blocks_model_finish(script):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        pytest.param("deepspeed_stage_2", marks=pytest.mark.skipif(
+            importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
+        )),
+    ],
+)
+def test_later_forked_blocks_whose_workers_drop_an_earlier_blocks_model_finish(script, strategy):
     """A notebook's second cell assigns `model` again inside its launch block: every forked
-    worker drops its copy of the DDP model rank 0 kept from the first block, and with it that
-    run's gloo group, whose destructor waited on threads a forked child does not have (the
-    worker hung at the assignment, until launch's timeout)."""
-    result = script("later_block_drops_model", timeout=60)
+    worker drops its copy of the model rank 0 kept from the first block (a DDP reducer, a
+    DeepSpeed engine), and with it that run's gloo groups, whose destructor waited on threads a
+    forked child does not have (the worker hung at the assignment, until launch's timeout)."""
+    result = script("later_block_drops_model", strategy, timeout=80)
     assert result.returncode == 0, result.explain()
     assert result.json() == [3.0, 3.0, 3.0]  # each block's all_reduce of ranks 1 + 2

@@ -28,9 +28,10 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce_tensor",
     "barrier",
-    "gather_into",
     "broadcast_any",
+    "gather_into",
     "init_process_group",
+    "retire_groups",
 ]
 
 
@@ -206,8 +207,16 @@ def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[
 # a worker forked for a later block inherits that object, and were the worker to drop it, the
 # group's destructor would wait on the gloo threads of the parent, which a child does not have:
 # the worker hangs (a notebook cell that assigns `model` again in a second launch block). Held
-# here, no forked copy is ever the last owner. Each costs the parent a few idle threads.
+# here, no forked copy is ever the last owner. Each costs the parent a few idle threads. Not for
+# NCCL: a run on it used CUDA, after which launch refuses to fork.
 _RETIRED_GROUPS: list[Any] = []
+
+
+def retire_groups() -> None:
+    """Hold this run's groups for the life of the process (see ``_RETIRED_GROUPS``); call it
+    before the default group is destroyed, by us or by a library (DeepSpeed)."""
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):  # NCCL: fork is refused
+        _RETIRED_GROUPS.extend(live_process_groups())
 
 
 def destroy_process_group() -> None:
@@ -218,7 +227,7 @@ def destroy_process_group() -> None:
         _adopted.clear()
         return
     if dist.is_initialized():
-        _RETIRED_GROUPS.extend(live_process_groups())
+        retire_groups()
         dist.destroy_process_group()
     forget_dtensor_shardings()  # their meshes name the groups just destroyed
     if _own_store:

@@ -1,9 +1,14 @@
-"""Later forked launch blocks whose workers drop the DDP model an earlier block left behind.
+"""Later forked launch blocks whose workers drop the model an earlier block left behind.
 
 A notebook does this: a cell trains in a launch block and keeps `model`; the next cell's block
-assigns `model` again, and every forked worker drops its copy of the old one (whose reducer
-holds the earlier run's gloo group). Rank 0 writes each block's all_reduce.
+assigns `model` again, and every forked worker drops its copy of the old one (a DDP reducer or
+a DeepSpeed engine holding the earlier run's gloo groups). Rank 0 writes each block's
+all_reduce.
+
+argv: strategy
 """
+
+import sys
 
 import torch
 from _common import make_model, write
@@ -12,10 +17,11 @@ import scopedlite as lite
 
 totals = []
 for block in range(3):
-    with lite.launch(strategy="ddp", devices=2, accelerator="cpu", launcher="fork", timeout=60) as run:
-        model = lite.setup(make_model())  # a worker drops the previous block's model here
-        out = model(torch.ones(2, 4)).sum()
-        lite.backward(out)
+    with lite.launch(strategy=sys.argv[1], devices=2, accelerator="cpu", launcher="fork", timeout=60) as run:
+        net = make_model()
+        model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))  # a worker drops the last ones
+        lite.backward(model(torch.ones(2, 4)).sum())
+        opt.step()
         total = lite.all_reduce(torch.tensor(float(run.global_rank + 1))).item()
     totals.append(total)
 write(totals)

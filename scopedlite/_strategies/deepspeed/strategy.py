@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
 
+from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
@@ -212,6 +213,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # Through DeepSpeed, which then forgets the groups it derived from this world (a
             # clone of it, cached in module globals): a later launch in this process would
             # otherwise hand the next engine a group of a world that is gone.
+            _distributed.retire_groups()
             self.deepspeed.comm.destroy_process_group()
             self._deepspeed_comm = False
         if self._owns_group:
