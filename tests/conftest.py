@@ -1,5 +1,9 @@
 """Shared fixtures: running real multi-process scripts, and guards against leaks.
 
+A script runs forked from the zygote (tests/zygote.py: torch imported once per session; the
+script's launch forks its workers), or with ``run_python`` / ``script(..., fresh=True)`` in a
+fresh interpreter whose launch re-executes the command line (tests/README.md says which when).
+
 Every test fails if it leaves behind an environment variable, a torch.distributed process
 group, a child process, or an open scope.
 

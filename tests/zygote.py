@@ -42,7 +42,7 @@ class Zygote:
     """One zygote process, started on first use, and the scripts it runs, one at a time."""
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -60,8 +60,7 @@ class Zygote:
         """
         proc = self._started()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
+        proc.stdin.write((json.dumps(request) + "\n").encode())
         pid = int(self._line(time.monotonic() + 60))
         deadline = time.monotonic() + timeout
         code = None
@@ -84,26 +83,30 @@ class Zygote:
             self._proc.wait()
             self._proc = None
 
-    def _started(self) -> subprocess.Popen[str]:
+    def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [sys.executable, "-u", str(Path(__file__).resolve())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,  # unbuffered: see _line
             )
             if self._line(time.monotonic() + 120) != "ready":
                 raise RuntimeError("the zygote did not start")
         return self._proc
 
     def _line(self, deadline: float) -> str:
-        out = self._proc.stdout
-        while not select.select([out], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            if time.monotonic() >= deadline:
+        """The zygote's next line, read a byte at a time: a buffered reader could take the
+        exit code along with the pid, and select would then wait for a line already read."""
+        fd = self._proc.stdout.fileno()
+        line = b""
+        while not line.endswith(b"\n"):
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 raise TimeoutError
-        line = out.readline()
-        if not line:
-            self.close()
-            raise EOFError("the zygote ended")
-        return line.strip()
+            byte = os.read(fd, 1)
+            if not byte:
+                self.close()
+                raise EOFError("the zygote ended")
+            line += byte
+        return line.decode().strip()
 
 
 def _kill_tree(pid: int) -> None:
