@@ -182,8 +182,9 @@ def _kind(block: Block) -> str:
 
 @pytest.fixture(scope="session")
 def examples_run(tmp_path_factory):
-    """Run every example block once: each page's blocks in order, in one fresh process per
-    page (a page's blocks build on each other; pages do not). What each printed and raised."""
+    """Run every example block once: each page's blocks in order, in one process per page,
+    forked from the zygote (a page's blocks build on each other; pages do not). What each
+    printed and raised."""
     folder = tmp_path_factory.mktemp("docs-examples")
     runner = folder / "runner.py"
     runner.write_text(RUNNER)

@@ -58,7 +58,7 @@ def init_process_group(
             "creates and destroys its own: call torch.distributed.destroy_process_group() "
             "before lite.launch(...), or let the launch make it."
         )
-    forget_dtensor_shardings()  # a forked worker's copy of its parent's (see there)
+    forget_dtensor_shardings()  # DTensor used before launch, copied into a forked worker (see there)
     kwargs: dict[str, Any] = {}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
