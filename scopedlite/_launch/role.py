@@ -124,6 +124,7 @@ class Role(ABC):
         assert run is not None
         if run.world_size <= 1:
             return
+        run.strategy.block_body_ended()
         if debug_enabled():
             check_same_collective(
                 run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block"

@@ -95,6 +95,10 @@ class Strategy(ABC):
     def stop(self) -> None:  # noqa: B027 - nothing to release unless start acquired it
         """Release what :meth:`start` acquired. Must be safe to call after a failure."""
 
+    def block_body_ended(self) -> None:  # noqa: B027 - only strategies whose ranks wait on each other care
+        """This rank has run the whole body of its launch block and waits for the others at
+        its end (called before that wait): a rank about to gather alone can then be told."""
+
     # -- modules and optimizers ---------------------------------------------------------
     @abstractmethod
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module: ...

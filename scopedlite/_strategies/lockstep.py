@@ -1,46 +1,62 @@
-"""A method that gathers sharded parameters runs on every rank, or is refused before it gathers.
+"""A forward or method that gathers sharded parameters runs on every rank, or is refused
+before it gathers.
 
-Under FSDP and ZeRO-3 each rank holds a slice of every parameter, and whatever needs them
-whole - a forward, or one of the user's methods that computes with them - all-gathers them:
-a collective. A method called on some ranks only (``if rank == 0: model.generate(...)``)
-gathers alone: its all-gather meets the other ranks' next forward, and the run hangs, aborts,
-or silently pairs the wrong tensors from then on.
+Under FSDP, ZeRO-3 and model_parallel each rank holds a slice of every parameter, and whatever
+needs them whole - a forward, or one of the user's methods that computes with them -
+all-gathers them: a collective. A forward or method run on some ranks only (``if rank == 0:
+evaluate(model)``, ``model.generate(...)``) gathers alone: its all-gather meets the other
+ranks' next forward, or nothing at all, and the run hangs, aborts, or silently pairs the wrong
+tensors from then on.
 
 Asking the other ranks with a collective would hang the same way, so the ranks keep a
 *ledger* on the store they already share (the rendezvous key-value store; a write is a few
 microseconds and involves no collective). Each rank numbers its gathering steps - forwards of
 a set-up sharded model and gathering method calls - and, before each, writes under its own
-key the step's number and the number and name of its latest method call. A rank about to
-gather for a method then reads the other ranks' keys until each has reached the same step:
+key the step's number, what it is (a training forward, an evaluation forward, a method's
+name), how many of our collectives (``lite.barrier()``, ``lite.all_reduce``, ...) it has
+entered, and whether it has reached the end of its launch block. A rank about to gather for
+a method or an evaluation forward (grad disabled or the model in ``eval()``) then reads the
+other ranks' keys until each has reached the same step, or cannot reach it:
 
-- every rank noted the same method at that step: they gather together;
-- a rank noted something else there (its next forward, another method): the method is
-  refused at once on the ranks that called it, naming it and the ranks, before anything is
-  gathered (the ranks still waiting in their own gather end with the run).
+- every rank noted the same thing at that step: they gather together;
+- a rank noted something else there (a training forward, another method), entered a
+  collective of ours this rank has not, or reached the end of its launch block: the step is
+  refused at once on the ranks that called it, naming what each rank does and the fix,
+  before anything is gathered (the ranks still waiting in their own gather end with the run).
 
-What it cannot see: a rank that never reaches another gathering step because it is waiting
-in some other collective (a raw ``torch.distributed`` call, the end of the run) - the caller
-then waits as it would have without the ledger. A forward only writes; only methods read.
+A training forward (grad enabled, model in ``train()``) only writes: every rank runs it, and
+reading there would cost each step a wait on the slowest rank. What the ledger cannot see: a
+rank waiting in a raw ``torch.distributed`` call; the caller then waits, up to the run's
+collective timeout, and raises ``TimeoutError`` naming the ranks that never came.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from scopedlite._private.torch_internals import default_store
 
-__all__ = ["GatherLedger", "MethodCalledOnSomeRanksError", "Nesting"]
+__all__ = ["ForwardOnSomeRanksError", "GatherLedger", "MethodCalledOnSomeRanksError", "Nesting"]
 
-_FORWARD = "forward"
+_FORWARD = "forward"  # a training forward: written, never checked
+EVALUATION = "an evaluation forward"  # grad disabled or the model in eval(): checked
+_ENDED = "\x00ended"  # what a rank at the end of its launch block does at every later step
+_IN_COLLECTIVE = "\x00collective"  # a rank in a collective of ours the reader has not entered
 
 
 class MethodCalledOnSomeRanksError(RuntimeError):
     """A method that needs the gathered parameters was called on some ranks only."""
+
+
+class ForwardOnSomeRanksError(MethodCalledOnSomeRanksError):
+    """A forward of a sharded model (an evaluation, say) was run on some ranks only."""
 
 
 class GatherLedger:
@@ -52,14 +68,28 @@ class GatherLedger:
         world_size: The number of ranks.
         strategy: The strategy's name, for messages.
         hint: The end of the refusal's advice (", or ..."), where the strategy has more.
+        full_weights: The expression that gives every rank the model's full weights under
+            this strategy (the way to a plain copy for one rank).
+        timeout: How long (seconds) a rank waits for the others to reach its step.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, strategy: str, hint: str = "") -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        strategy: str,
+        hint: str = "",
+        full_weights: str = "model.state_dict()",
+        timeout: float = 1800.0,
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.strategy = strategy
         self.hint = hint
+        self.full_weights = full_weights
+        self.timeout = timeout
         # One ledger per run on a store that may outlive it (several launch blocks): every rank
         # makes its run's ledger in the same order, so the counter gives the same prefix.
         generation = (int(store.add("scopedlite/ledger/count", 1)) - 1) // world_size
@@ -67,42 +97,82 @@ class GatherLedger:
         self.step = 0
         self.method_step = 0
         self.method_name = ""
+        self.collectives = 0  # collectives of ours entered
+        self.ended = False  # the end of the launch block reached
 
     @classmethod
-    def of_default_group(cls, strategy: str, hint: str = "") -> GatherLedger:
-        return cls(default_store(), dist.get_rank(), dist.get_world_size(), strategy, hint)
+    def of_default_group(
+        cls, strategy: str, hint: str = "", full_weights: str = "model.state_dict()", timeout: float = 1800.0
+    ) -> GatherLedger:
+        return cls(default_store(), dist.get_rank(), dist.get_world_size(), strategy, hint, full_weights, timeout)
 
-    def forward(self) -> None:
-        """A forward of a set-up model is about to gather (not one inside a method's call)."""
-        self.step += 1
-        self._write()
+    def forward(self, evaluating: bool = False) -> None:
+        """A forward of a set-up model is about to gather (not one inside a method's call).
+
+        A training forward is only noted. An evaluation forward (``evaluating``: grad disabled
+        or the model in ``eval()``, what a rank alone typically runs) returns when every rank
+        runs one too, and raises :class:`ForwardOnSomeRanksError` when some do not.
+        """
+        if not evaluating:
+            self.step += 1
+            self._write()
+            return
+        callers, seen = self._together(EVALUATION)
+        if callers is None:
+            return
+        raise ForwardOnSomeRanksError(
+            f"A forward of the set-up model in evaluation (torch.no_grad() or model.eval()) ran on "
+            f"rank(s) {callers} only ({_others(seen, EVALUATION)}), under strategy={self.strategy!r}, "
+            "where every rank holds a shard of the parameters and a forward gathers them from "
+            "every rank: alone it would wait forever. Evaluate on every rank (for data that "
+            "does not split evenly, over a set-up loader inside `with lite.join(model), "
+            "torch.no_grad():`, which sees each sample once, then `lite.all_reduce` the metric), "
+            f"or give rank 0 a plain copy: `weights = {self.full_weights}` on every rank (it "
+            "gathers), then on rank 0 alone `copy = MyModel(); copy.load_state_dict(weights)` "
+            "and evaluate `copy`."
+        )
 
     def method(self, name: str) -> None:
         """The method ``name`` (``"GPT.generate"``) is about to gather: return when every rank
         calls it too, raise :class:`MethodCalledOnSomeRanksError` when some do not."""
+        callers, seen = self._together(name)
+        if callers is None:
+            return
+        raise MethodCalledOnSomeRanksError(
+            f"{name}() needs the parameters gathered from every rank under "
+            f"strategy={self.strategy!r}, but only rank(s) {callers} called it ({_others(seen, name)}). "
+            f"Call it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
+        )
+
+    def collective(self) -> None:
+        """This rank enters a collective of ours: a rank about to gather alone sees it here
+        and knows this one will not come to its gather."""
+        self.collectives += 1
+        self._write()
+
+    def leave_block(self) -> None:
+        """This rank reached the end of its launch block: no later step of another rank
+        will be met by this one."""
+        self.ended = True
+        self._write()
+
+    def _together(self, what: str) -> tuple[list[int] | None, dict[int, str]]:
+        """Note ``what`` as this rank's next step and wait for every rank to reach that step.
+        Returns ``(None, seen)`` when all ranks do ``what`` there, else ``(callers, seen)``,
+        with this rank's step taken back (nothing was gathered: it is still in step with the
+        others and may go on, e.g. to the forward they went on to, if it catches the error)."""
         before = self.method_step, self.method_name
         self.step += 1
-        self.method_step, self.method_name = self.step, name
+        self.method_step, self.method_name = self.step, what
         self._write()
         seen = self._wait_for_step()
-        callers = sorted(r for r, what in seen.items() if what == name)
+        callers = sorted(r for r, done in seen.items() if done == what)
         if len(callers) == self.world_size:
-            return
-        # Nothing was gathered: this rank is still in step with the others, and may go on
-        # (e.g. to the forward they went on to) if it catches the error.
+            return None, seen
         self.step -= 1
         self.method_step, self.method_name = before
         self._write()
-        others = "; ".join(
-            f"rank {r} went on to the model's forward" if what == _FORWARD else f"rank {r} called {what}() instead"
-            for r, what in sorted(seen.items())
-            if what != name
-        )
-        raise MethodCalledOnSomeRanksError(
-            f"{name}() needs the parameters gathered from every rank under "
-            f"strategy={self.strategy!r}, but only rank(s) {callers} called it ({others}). Call "
-            f"it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
-        )
+        return callers, seen
 
     def close(self) -> None:
         """Let go of the store when the run ends (the strategy's ``stop``).
@@ -119,28 +189,42 @@ class GatherLedger:
                 f"The {self.strategy} run this model was set up in has ended: its parameters can no "
                 "longer be gathered. Use the model inside its `with lite.launch(...)` block."
             )
-        self.store.set(self._key(self.rank), f"{self.step}:{self.method_step}:{self.method_name}")
+        entry = f"{self.step}:{self.method_step}:{self.collectives}:{int(self.ended)}:{self.method_name}"
+        self.store.set(self._key(self.rank), entry)
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
 
     def _wait_for_step(self) -> dict[int, str]:
-        """What each rank does at this rank's current step: a method's name, or "forward"."""
+        """What each rank does at this rank's current step: a method's name, "forward", or
+        that it cannot get there (it waits in a collective of ours, or its block ended)."""
         seen = {self.rank: self.method_name}
         pending = [r for r in range(self.world_size) if r != self.rank]
         pause = 0.0005
+        deadline = time.monotonic() + self.timeout
         while pending:
             keys = [self._key(r) for r in pending]
             # multi_get would wait, bounded by the store's timeout, for a key not yet written
             values = self.store.multi_get(keys) if self.store.check(keys) else [b""] * len(keys)
             waiting = []
             for r, value in zip(pending, values):
-                step, method_step, name = _parse(value)
-                if step < self.step:
+                entry = _Entry.parse(value)
+                if entry.step >= self.step:  # its entry for this step is its latest method, or a forward
+                    seen[r] = entry.name if entry.method_step == self.step else _FORWARD
+                elif entry.ended:
+                    seen[r] = _ENDED
+                elif entry.collectives > self.collectives:  # where this rank has not been
+                    seen[r] = _IN_COLLECTIVE
+                else:
                     waiting.append(r)
-                else:  # reached: its entry for this step is a method only if its latest one is
-                    seen[r] = name if method_step == self.step else _FORWARD
             pending = waiting
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.method_name} waited {self.timeout:.0f} s (launch(timeout=)) for rank(s) "
+                    f"{pending} to reach it under strategy={self.strategy!r}; they never ran the "
+                    "model's forward or method again (a raw torch.distributed call, or work "
+                    "that never ended)."
+                )
             if pending:
                 time.sleep(pause)
                 pause = min(0.02, pause * 2)
@@ -159,10 +243,10 @@ class Nesting:
         self.ledger = ledger
         self.depth = 0
 
-    def enter(self, *_: Any) -> None:
-        if self.depth == 0 and self.ledger is not None:
-            self.ledger.forward()
-        self.depth += 1
+    def enter(self, module: torch.nn.Module, *_: Any) -> None:
+        self.depth += 1  # first: a refusal below still leaves through ``leave``
+        if self.depth == 1 and self.ledger is not None:
+            self.ledger.forward(evaluating=not (torch.is_grad_enabled() and module.training))
 
     def leave(self, *_: Any) -> None:
         self.depth -= 1
@@ -177,8 +261,32 @@ class Nesting:
             self.depth -= 1
 
 
-def _parse(value: bytes) -> tuple[int, int, str]:
-    if not value:
-        return 0, 0, ""
-    step, method_step, name = value.decode().split(":", 2)
-    return int(step), int(method_step), name
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One rank's line in the ledger (see :meth:`GatherLedger._write`)."""
+
+    step: int = 0
+    method_step: int = 0
+    collectives: int = 0
+    ended: bool = False
+    name: str = ""
+
+    @classmethod
+    def parse(cls, value: bytes) -> _Entry:
+        if not value:
+            return cls()
+        step, method_step, collectives, ended, name = value.decode().split(":", 4)
+        return cls(int(step), int(method_step), int(collectives), ended == "1", name)
+
+
+def _others(seen: dict[int, str], what: str) -> str:
+    """What the ranks that do not do ``what`` do instead, for a refusal."""
+    words = {
+        _FORWARD: "went on to the model's forward",
+        EVALUATION: "ran an evaluation forward instead",
+        _ENDED: "reached the end of its launch block",
+        _IN_COLLECTIVE: "waits in a collective (lite.barrier(), lite.all_reduce(), ...) this rank did not call",
+    }
+    return "; ".join(
+        f"rank {r} {words.get(done, f'called {done}() instead')}" for r, done in sorted(seen.items()) if done != what
+    )

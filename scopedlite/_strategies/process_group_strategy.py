@@ -18,6 +18,7 @@ from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.join_replayer import Replayer
+from scopedlite._strategies.lockstep import GatherLedger
 from scopedlite._strategies.replay import ReplaySession
 
 if TYPE_CHECKING:
@@ -38,6 +39,10 @@ class ProcessGroupStrategy(Strategy):
             ``launch(launcher="auto")``: ``"script"`` re-executes the command line,
             ``"fork"`` forks (notebooks). None picks by where the code runs.
     """
+
+    # Where sharded strategies (FSDP, ZeRO-3) note their gathering steps and our collectives,
+    # so that a forward or method on some ranks only is refused, not left to hang (lockstep.py).
+    _ledger: GatherLedger | None = None
 
     def __init__(self, process_group_backend: str | None = None, start_method: str | None = None) -> None:
         if process_group_backend not in _BACKENDS:
@@ -97,19 +102,32 @@ class ProcessGroupStrategy(Strategy):
         self._join_group = None
         _distributed.destroy_process_group()
 
+    def block_body_ended(self) -> None:
+        if self._ledger is not None:
+            self._ledger.leave_block()
+
     # -- collectives over the default group ---------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        self.note_collective()
         return _distributed.all_reduce_tensor(tensor, op, self._comm_device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.note_collective()
         return _distributed.all_gather_tensor(tensor, self._comm_device)
 
     def broadcast(self, obj: Any, src: int) -> Any:
+        self.note_collective()
         result = _distributed.broadcast_any(obj, src, self._comm_device)
         return map_tensors(result, lambda t: t.to(self.placement.device))
 
     def barrier(self) -> None:
+        self.note_collective()
         _distributed.barrier(self._backend, self.placement.device)
+
+    def note_collective(self) -> None:
+        """A rank gathering alone learns from the ledger that this one waits in a collective."""
+        if self._ledger is not None:
+            self._ledger.collective()
 
     # -- lite.join: one template, a replayer per backend -------------------------------------
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplaySession:

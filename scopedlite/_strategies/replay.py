@@ -240,6 +240,7 @@ class ReplaySession:
 
     # -- rounds --------------------------------------------------------------------------------------
     def _exchange(self, opener: Opener) -> Round:
+        self.strategy.note_collective()  # a rank evaluating alone under FSDP learns we are here
         row = torch.tensor(opener.encode(), dtype=torch.float64)
         rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
         gather_into(rows, row, group=self.group)

@@ -13,8 +13,9 @@ over DDP, which the tests check scenario by scenario:
   itself inside ``no_backward_sync`` before running out are contributed, at the first
   synchronised backward after.
 - **Buffers come from the highest running rank** before each forward that syncs them, as
-  under torch's ``Join`` (DDP alone takes rank 0's, which may have left): DDP's own buffer
-  broadcast is switched off for the block and done here instead.
+  under torch's ``Join`` (DDP alone takes rank 0's, which may have left): the broadcast at the
+  end of a training forward (``buffers.py``) stands aside for the block and is done here
+  instead.
 - **The final model is the last joiner's.** When every rank has left, parameters (and
   buffers, where DDP syncs them) are broadcast from the highest of the last ranks to leave,
   as torch's ``_sync_final_model`` does: a model updated by hand on the running ranks only,
@@ -30,10 +31,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._private.torch_internals import overwrite_buffers
+from scopedlite._strategies.ddp.buffers import broadcast_coalesced, synced_buffers
 from scopedlite._strategies.join_replayer import announce_forwards
 
 if TYPE_CHECKING:
@@ -58,16 +58,13 @@ class DDPReplay:
         self.models = models
         self.divide = divide_by_initial_world_size
         self.world_size = world_size
-        self._buffers = [getattr(m, _buffer_flag_name(m)) for m in models]  # DDP's setting, restored on close
-        self._synced = [_buffers(m) for m in models]  # the buffers DDP would broadcast
+        self._buffers = [strategy.syncs_buffers(m) for m in models]  # the user's DDP setting
+        self._synced = [synced_buffers(m) for m in models]  # the buffers DDP would broadcast
 
     def install(self, session: ReplaySession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, model in enumerate(self.models):
             announce_forwards(stack, session, index, model)
-            name = _buffer_flag_name(model)
-            setattr(model, name, False)  # synced by the session, from a running rank
-            stack.callback(setattr, model, name, self._buffers[index])
         return stack
 
     def module(self, index: int) -> torch.nn.Module:
@@ -84,7 +81,7 @@ class DDPReplay:
         return bool(self._buffers[index] and self._synced[index] and model.require_forward_param_sync)
 
     def sync_buffers(self, index: int, source: int) -> None:
-        _broadcast_coalesced(self._synced[index], source, self.strategy.comm_device)
+        broadcast_coalesced(self._synced[index], source, self.strategy.comm_device)
 
     def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
         model = self.models[index]
@@ -130,27 +127,7 @@ class DDPReplay:
             tensors = [p for n, p in model.module.named_parameters() if n not in ignored]
             if self._buffers[index]:
                 tensors += self._synced[index]
-            _broadcast_coalesced(tensors, authoritative, self.strategy.comm_device)
-
-
-def _buffers(model: DistributedDataParallel) -> list[torch.Tensor]:
-    ignored = model.parameters_to_ignore
-    return [b for n, b in model.module.named_buffers() if n not in ignored]
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
-    """Broadcast ``tensors`` from rank ``source`` in place, one message per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
-        dist.broadcast(flat, src=source)
-        values, offset = [], 0
-        for tensor in group:
-            values.append(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
-        overwrite_buffers(group, values)
+            broadcast_coalesced(tensors, authoritative, self.strategy.comm_device)
 
 
 def refuse_what_join_cannot_replay(models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -174,10 +151,3 @@ def refuse_what_join_cannot_replay(models: tuple[Any, ...], optimizers: tuple[to
                 "ending with identical but wrong parameters). Use a plain optimizer under "
                 "strategy='ddp', or shard optimizer state with strategy='fsdp' / 'deepspeed'."
             )
-
-
-def _buffer_flag_name(model: DistributedDataParallel) -> str:
-    """DDP's public switch for broadcasting buffers in forward: ``forward_sync_buffers`` from
-    torch 2.13 (``broadcast_buffers`` is then a deprecated property over it), ``broadcast_buffers``
-    before."""
-    return "forward_sync_buffers" if "forward_sync_buffers" in vars(model) else "broadcast_buffers"

@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.base import Rendezvous
+from scopedlite._strategies.ddp.buffers import take_over_buffer_sync
 from scopedlite._strategies.ddp.join import DDPReplay, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
@@ -78,6 +79,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         # In setup order (the same on every rank): join's hooks must run in one order.
         self._modules: list[weakref.ref[DistributedDataParallel]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        # Whether each set-up model broadcasts its buffers (buffers.py: after training forwards)
+        self._syncs_buffers: weakref.WeakKeyDictionary[DistributedDataParallel, bool] = weakref.WeakKeyDictionary()
 
     # -- modules and optimizers ---------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -91,6 +94,9 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
+        # Rank 0's buffers at the end of each training forward, not at the start of the next:
+        # an evaluation on rank 0 alone then needs no other rank (buffers.py).
+        self._syncs_buffers[ddp] = take_over_buffer_sync(ddp, self.comm_device)
         self._modules.append(weakref.ref(ddp))
         return ddp
 
@@ -108,6 +114,11 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
                 f"{type(module).__name__}. Use `model = lite.setup(model)` first."
             )
         return module.no_sync() if enabled else contextlib.nullcontext()
+
+    def syncs_buffers(self, module: DistributedDataParallel) -> bool:
+        """Whether the set-up ``module`` broadcasts rank 0's buffers after training forwards
+        (DDP's ``broadcast_buffers``, unless the user turned it off)."""
+        return self._syncs_buffers.get(module, False)
 
     def join_models(self) -> list[torch.nn.Module]:
         return [m for m in (ref() for ref in self._modules) if m is not None]

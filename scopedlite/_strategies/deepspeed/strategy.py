@@ -158,7 +158,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
             # gathering steps, and a method called on some ranks only is refused (lockstep.py).
             self._ledger = (
-                GatherLedger.of_default_group("deepspeed_stage_3")
+                GatherLedger.of_default_group("deepspeed_stage_3", timeout=placement.timeout.total_seconds())
                 if self.stage == 3 and placement.world_size > 1
                 else None
             )

@@ -43,7 +43,7 @@ from scopedlite._strategies.join_members import in_join, refuse_gather_in_join
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.user_model import SAVING_METHODS, saving_method, share_tied, user_method_names
 
-__all__ = ["gather_for_user_methods"]
+__all__ = ["count_depth", "gather_for_user_methods"]
 
 
 def gather_for_user_methods(
@@ -58,10 +58,10 @@ def gather_for_user_methods(
     submodule a unit (``auto_wrap_policy``)."""
     from torch.distributed.fsdp import FSDPModule  # lazy: ~0.9 s to import
 
-    nestings = {id(root): _count_depth(root, Nesting(ledger))}
+    nestings = {id(root): count_depth(root, Nesting(ledger))}
     units = [sub for sub in root.modules() if sub is not root and isinstance(sub, FSDPModule)]
     for unit in units:
-        nestings[id(unit)] = _count_depth(unit, Nesting(None))
+        nestings[id(unit)] = count_depth(unit, Nesting(None))
     for unit in units:
         # type(unit) is FSDP's subclass of the user's class: its own methods are skipped
         _Gathering(unit, root, nestings).install(type(unit), ledger)
@@ -96,7 +96,7 @@ def _full_state(module: torch.nn.Module) -> dict[str, Any]:
     return share_tied(module, state) if state else state
 
 
-def _count_depth(module: torch.nn.Module, nesting: Nesting) -> Nesting:
+def count_depth(module: torch.nn.Module, nesting: Nesting) -> Nesting:
     # prepend: counted (and noted in the ledger) before FSDP's own pre-forward hook gathers,
     # and a failing gather still leaves through the always_call post hook that uncounts it.
     module.register_forward_pre_hook(nesting.enter, prepend=True)

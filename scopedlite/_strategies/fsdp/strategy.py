@@ -27,9 +27,9 @@ from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.join import FSDPReplay
-from scopedlite._strategies.fsdp.methods import gather_for_user_methods
+from scopedlite._strategies.fsdp.methods import count_depth, gather_for_user_methods
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
-from scopedlite._strategies.lockstep import GatherLedger
+from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 
 if TYPE_CHECKING:
@@ -44,7 +44,10 @@ _WITHOUT_GATHERING = (
     "shape are the full ones and need no gathering"
 )
 
-__all__ = ["FSDPStrategy", "fsdp2_problem", "release"]
+# Every rank's full weights from the set-up model, whose state dict holds DTensor shards.
+FULL_WEIGHTS = "{k: v.full_tensor() for k, v in model.state_dict().items()}"
+
+__all__ = ["FULL_WEIGHTS", "FSDPStrategy", "fsdp2_problem", "release"]
 
 _STATE_DICT_TYPES = ("sharded", "full")
 
@@ -190,7 +193,11 @@ class FSDPStrategy(ProcessGroupStrategy):
         # Where each rank notes its gathering steps, so that a method gathering on some ranks
         # only is refused instead of hanging (lockstep.py).
         self._ledger = (
-            GatherLedger.of_default_group(self.name, _WITHOUT_GATHERING) if placement.world_size > 1 else None
+            GatherLedger.of_default_group(
+                self.name, _WITHOUT_GATHERING, FULL_WEIGHTS, timeout=placement.timeout.total_seconds()
+            )
+            if placement.world_size > 1
+            else None
         )
 
     def stop(self) -> None:
@@ -237,6 +244,8 @@ class FSDPStrategy(ProcessGroupStrategy):
         # leave the root as it is.
         if isinstance(module, FSDPModule):
             gather_for_user_methods(module, user_class, self._ledger)
+        elif self._ledger is not None:  # its forwards still gather (tensor-parallel collectives)
+            count_depth(module, Nesting(self._ledger))
 
         after = dict(module.named_parameters(remove_duplicate=False))
         self._replaced = {k: v for k, v in self._replaced.items() if v[0]() is not None and v[1]() is not None}
