@@ -81,6 +81,7 @@ def test_ddp_rank_zero_evaluates_alone_and_every_rank_sees_rank_zeros_buffers(sc
     assert_close(out["every_rank"], expected["every_rank"], 1e-5, "evaluation on every rank")
     assert_close(out["params"], expected["params"], 1e-5, "parameters after the 4th step")
     assert_close(out["rank0_alone"], expected["rank0_alone"], 1e-5, "rank 0's evaluation alone")
+    assert_close(out["rank0_alone_with_grad"], expected["rank0_alone"], 1e-5, "rank 0's evaluation alone, grad on")
 
 
 def _plain_reference() -> tuple[list[float], list[float]]:

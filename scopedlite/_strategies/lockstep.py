@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._private.torch_internals import default_store
+from scopedlite._strategies.join_members import in_join
 
 __all__ = ["ForwardOnSomeRanksError", "GatherLedger", "MethodCalledOnSomeRanksError", "Nesting"]
 
@@ -236,17 +237,22 @@ class Nesting:
     noted in ``ledger`` (None: not noted, e.g. an FSDP unit inside the model, or one rank).
 
     ``enter`` and ``leave`` are its forward pre-hook (prepended: before the strategy's gather)
-    and forward hook (``always_call``); a method's call is counted by :meth:`method`.
+    and forward hook (``always_call``); a method's call is counted by :meth:`method`. Inside
+    ``lite.join`` (``user_module`` in a join block) an evaluation forward is not checked: the
+    join protocol announces every forward and the ranks out of data replay it.
     """
 
-    def __init__(self, ledger: GatherLedger | None) -> None:
+    def __init__(self, ledger: GatherLedger | None, user_module: torch.nn.Module | None = None) -> None:
         self.ledger = ledger
+        self.user_module = user_module
         self.depth = 0
 
     def enter(self, module: torch.nn.Module, *_: Any) -> None:
         self.depth += 1  # first: a refusal below still leaves through ``leave``
         if self.depth == 1 and self.ledger is not None:
-            self.ledger.forward(evaluating=not (torch.is_grad_enabled() and module.training))
+            evaluating = not (torch.is_grad_enabled() and module.training)
+            joined = in_join(self.user_module if self.user_module is not None else module)
+            self.ledger.forward(evaluating=evaluating and not joined)
 
     def leave(self, *_: Any) -> None:
         self.depth -= 1

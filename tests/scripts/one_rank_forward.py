@@ -102,6 +102,9 @@ def main(name: str) -> None:
             out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
             if rank == 0:  # rank 1 goes to the end of the block
                 out["rank0_alone"] = evaluate(model)
+                model.eval()  # and without torch.no_grad(), as scripts forget it
+                out["rank0_alone_with_grad"] = model(eval_rows()).detach().flatten().tolist()
+                model.train()
         else:
             if rank == 0:
                 out["while_training"] = refused(model)

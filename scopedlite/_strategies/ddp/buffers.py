@@ -6,8 +6,8 @@ evaluation under ``if run.is_global_zero:`` - therefore opens with a broadcast n
 joins, and the run hangs until the collective timeout (plain DDP hangs the same way).
 
 So DDP's own broadcast is switched off and this one runs at the *end* of every forward that
-DDP marks as owing one (grad enabled, gradients synchronised: ``require_forward_param_sync``),
-while every rank is in that forward. Buffers change only inside forwards, so each forward
+DDP marks as owing one (grad enabled, gradients synchronised: ``require_forward_param_sync``)
+in ``train()`` mode, while every rank is in that forward. Buffers change only inside forwards, so each forward
 starts from the values torch's DDP would give it - rank 0's - and an evaluation forward, on
 any ranks, has nothing left to synchronise. Inside ``lite.join`` the join session syncs the
 buffers instead (from a running rank, as torch's ``Join`` does: ``ddp/join.py``).
@@ -55,8 +55,10 @@ def take_over_buffer_sync(model: DistributedDataParallel, device: torch.device) 
     inner = model.module
 
     def after_forward(ddp: Any, args: Any, output: Any) -> None:
-        # DDP sets the flag in its post-forward: True after a forward whose backward syncs
-        if ddp.require_forward_param_sync and not in_join(inner):
+        # DDP sets the flag in its post-forward: True after a forward whose backward syncs. In
+        # eval() no buffer changes (BatchNorm reads its statistics), so nothing is owed: rank 0
+        # evaluating alone without torch.no_grad() does not wait either.
+        if ddp.require_forward_param_sync and ddp.training and not in_join(inner):
             broadcast_coalesced(synced_buffers(ddp), 0, device)
 
     model.register_forward_hook(after_forward)

@@ -287,7 +287,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         if optimizer is not None:
             _route_step_through_engine(optimizer, record)
         if self._ledger is not None:  # ZeRO-3's methods gather: every rank must call them
-            nesting = Nesting(self._ledger)
+            nesting = Nesting(self._ledger, engine.module)
             engine.register_forward_pre_hook(nesting.enter, prepend=True)
             engine.register_forward_hook(nesting.leave, always_call=True)
             model.lite_nesting = nesting  # read by the user's methods (user_model.py)
