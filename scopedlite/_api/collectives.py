@@ -100,7 +100,7 @@ def _checked(run: Run, target: Any, kind: str, op: str | None, data: Any, tensor
     compare what the running ranks call once a rank has run out; before that, nothing does
     (join's own issue)."""
     if target is run.strategy:
-        check_same(_call(run, kind, op, data, tensors), target.all_gather)
+        check_same(_call(run, kind, op, data, tensors), target.all_gather, target.all_reduce)
 
 
 def all_reduce(data: Any, op: str = "sum") -> Any:

@@ -4,12 +4,14 @@ Given tensors of different sizes on different ranks, gloo reads past what each r
 (made-up values arrive) and then aborts the process with SIGABRT ("Received data size
 doesn't match expected size"), naming no rank; tensors of the same size but another dtype
 are reinterpreted silently. So ``lite.all_reduce``, ``lite.all_gather`` and
-``lite.gather_for_metrics`` first all-gather one int64 row per rank that describes the
+``lite.gather_for_metrics`` first exchange one int64 row per rank that describes the
 whole call: which collective and op, the nest's structure, and each leaf's dtype and sizes.
 The row has the same length whatever the call, so this exchange always matches; a
-description too long for it travels as its length and a digest. Every rank reads the same
-rows, so on a difference every rank raises at once, before any data travels, naming each
-rank's shapes (a second exchange, on that path only, brings the readable descriptions).
+description too long for it travels as its length and a digest. The plain collectives
+compare the rows with one small all-reduce (the largest and smallest value of each slot);
+``gather_for_metrics`` gathers them, since it needs each rank's first dimensions. Every rank
+reads the same result, so on a difference every rank raises at once, before any data
+travels, naming each rank's shapes (a second exchange, on that path only, brings the readable descriptions).
 
 ``gather_for_metrics`` reads each rank's first dimensions from the same rows (from a second
 exchange when a nest is too big for a row): tensors whose first dimension differs by rank
@@ -30,6 +32,7 @@ from scopedlite._comm.wire import DTYPES, TORCH_OPS, from_bytes, to_bytes
 __all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "first_dims"]
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # stacks every taking-part rank's tensor, in rank order
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, op) -> reduced over the same ranks
 
 ROW = 64  # int64 slots of the row each rank sends: [description length, description or digest]
 _KINDS = ("all_reduce", "all_gather", "gather_for_metrics")
@@ -73,13 +76,13 @@ class Call:
         return out
 
     def row(self, description: list[int]) -> torch.Tensor:
-        row = torch.zeros(ROW, dtype=torch.int64)
-        row[0] = len(description)
+        """``[length, description..., 0...]``, or ``[length, digest, 0...]`` when too long
+        to travel whole (equal lengths and digests then stand for equal descriptions)."""
         if len(description) < ROW:
-            row[1 : 1 + len(description)] = torch.tensor(description, dtype=torch.int64)
-        else:  # too long to travel whole: equal lengths and digests mean equal descriptions
-            row[1] = _digest(",".join(map(str, description)).encode())
-        return row
+            values = [len(description), *description]
+        else:
+            values = [len(description), _digest(",".join(map(str, description)).encode())]
+        return torch.tensor(values + [0] * (ROW - len(values)), dtype=torch.int64)
 
 
 def leaf_text(tensor: torch.Tensor) -> str:
@@ -87,10 +90,18 @@ def leaf_text(tensor: torch.Tensor) -> str:
     return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}]"
 
 
-def check_same(call: Call, gather: Gather) -> None:
-    """Raise on every rank unless every rank describes ``call`` alike (one small gather)."""
-    rows = gather(call.row(call.description()))
-    if not bool((rows == rows[0]).all()):
+def check_same(call: Call, gather: Gather, reduce: Reduce) -> None:
+    """Raise on every rank unless every rank describes ``call`` alike.
+
+    One all-reduce (``max``) of the row beside its negation: the ranks' rows are all equal
+    exactly when, in every slot, the largest value is minus the largest negated one (the
+    smallest). An all-reduce, not a gather: gloo's all-gather of a small tensor costs about
+    twice its all-reduce (``benchmarks/collective_checks.py``). Only on a difference does
+    ``gather`` bring each rank's description, for the error.
+    """
+    row = call.row(call.description())
+    extremes = reduce(torch.cat([row, -row]), "max")
+    if not torch.equal(extremes[:ROW], -extremes[ROW:]):
         _refuse(call, gather)
 
 
