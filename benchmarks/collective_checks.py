@@ -13,16 +13,46 @@ call; on a gradient-sized tensor it is lost in the transfer.
 
 from __future__ import annotations
 
-from common import PYTHON, SCRIPTS_DIR, Measurement, bench_env, failed, log, median, quantile, read_json, run_child, temp_path
+from common import (
+    PYTHON,
+    SCRIPTS_DIR,
+    Measurement,
+    bench_env,
+    failed,
+    log,
+    median,
+    quantile,
+    read_json,
+    run_child,
+    temp_path,
+)
 
 METHOD = (
     "one 2-proc gloo launch; {calls} rounds of one call of each mode, order rotating; rank 0 "
     "perf_counter per call; ratio of the medians, the fastest decile's ratio in the note"
 )
 ROWS = (
-    ("collective_check_all_reduce", "lite.all_reduce (shape check + reduce) vs dist.all_reduce, 4 floats", "lite_all_reduce", "raw_all_reduce", "unchecked_all_reduce"),
-    ("collective_check_all_gather", "lite.all_gather (shape check + gather) vs dist.all_gather, 4 floats", "lite_all_gather", "raw_all_gather", None),
-    ("collective_gather_for_metrics", "lite.gather_for_metrics of (16, 4) vs dist.all_gather of 4 floats", "lite_gather_for_metrics", "raw_all_gather", None),
+    (
+        "collective_check_all_reduce",
+        "lite.all_reduce (shape check + reduce) vs dist.all_reduce, 4 floats",
+        "lite_all_reduce",
+        "raw_all_reduce",
+        "unchecked_all_reduce",
+    ),
+    (
+        "collective_check_all_gather",
+        "lite.all_gather (shape check + gather) vs dist.all_gather, 4 floats",
+        "lite_all_gather",
+        "raw_all_gather",
+        None,
+    ),
+    (
+        "collective_gather_for_metrics",
+        "lite.gather_for_metrics of (16, 4) vs dist.all_gather of 4 floats",
+        "lite_gather_for_metrics",
+        "raw_all_gather",
+        None,
+    ),
 )
 
 
@@ -30,7 +60,9 @@ def measure(quick: bool) -> list[Measurement]:
     calls = 400 if quick else 2000
     method = METHOD.format(calls=calls)
     out = temp_path()
-    result = run_child([PYTHON, str(SCRIPTS_DIR / "collective_checks.py"), str(out), str(calls)], bench_env(), timeout=300)
+    result = run_child(
+        [PYTHON, str(SCRIPTS_DIR / "collective_checks.py"), str(out), str(calls)], bench_env(), timeout=300
+    )
     if not result.ok or not out.exists():
         return [failed(key, title, "- (reported)", method, result.describe()) for key, title, *_ in ROWS]
     data = read_json(out)
