@@ -10,8 +10,9 @@ Outside ``lite.join``, ``all_reduce``, ``all_gather`` and ``gather_for_metrics``
 exchange one small row describing the call on every rank (``_comm/signature.py``), so shapes
 or dtypes that differ between ranks raise on every rank, naming each rank's, instead of
 delivering made-up values and aborting the process. Inside the block the session's rounds
-compare what the running ranks call. ``broadcast`` needs no check: its source sends a header
-describing what follows, and the receivers pass nothing of their own.
+compare what the running ranks call, once a rank has run out of data. ``broadcast`` needs
+no check: its source sends a header describing what follows, and the receivers pass nothing
+of their own.
 """
 
 from __future__ import annotations
