@@ -7,15 +7,18 @@ discriminator is an engine, and every gradient reaching its parameters fires its
 in a backward that is not its own: at stage 1 its next step used them (silently different
 from plain torch), at stage 2 it refused to reduce a partition twice, at stage 3 it found a
 parameter twice in its reduction bucket. Leaving those parameters out of the backward
-(``backward(inputs=...)``) needs DeepSpeed's torch-style backward, whose bookkeeping skips an
-engine's gradient reduction when the engine ran more than one forward into the loss (the
-discriminator's real and fake batches): not exact either.
+(``loss.backward(inputs=...)``) needs DeepSpeed's torch-style backward
+(``engine.scale(loss).backward(...)``) instead of ``engine.backward``, and was tried: exact for
+DCGAN's generator step, but a discriminator loss through the generator (two forwards of the
+discriminator into one loss) left the discriminator's gradients unreduced (its engine's
+backward bookkeeping counts one prologue per forward) and its step failed. Not exact either.
 
 So such a loss is refused before its backward starts, on every rank alike (each walks the same
 graph), with the way out: freeze the other model for that loss
 (``d.requires_grad_(False)`` before the forward the loss runs through, ``True`` again after
-the backward). The gradients still flow *through* it, none reach its parameters, no hook of
-its engine reduces anything, and both models end as in plain torch (tests/test_gan.py).
+the backward). The gradients still flow *through* it and none reach its parameters, so none
+of its engine's gradient hooks fires (its output hooks still open and close an empty backward
+of its own), and both models end as in plain torch at stages 1-3 (tests/test_gan.py).
 """
 
 from __future__ import annotations
