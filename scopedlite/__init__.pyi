@@ -12,6 +12,7 @@ from ._api.collectives import all_gather as all_gather
 from ._api.collectives import all_reduce as all_reduce
 from ._api.collectives import barrier as barrier
 from ._api.collectives import broadcast as broadcast
+from ._api.collectives import gather_for_metrics as gather_for_metrics
 from ._api.current import current as current
 from ._api.dataloader import setup_dataloader as setup_dataloader
 from ._api.join import join as join
@@ -34,6 +35,7 @@ from ._api.sharded_init import sharded_init as sharded_init
 from ._api.stop import should_stop as should_stop
 from ._api.sync import no_backward_sync as no_backward_sync
 from ._comm.debug import CollectiveMismatchError as CollectiveMismatchError
+from ._comm.signature import ShapeMismatchError as ShapeMismatchError
 from ._core.run import Run as Run
 from ._core.scope import ScopeError as ScopeError
 from ._core.scope import carry as carry

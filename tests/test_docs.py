@@ -298,6 +298,8 @@ def test_examples_print_what_their_comments_say(examples_run):
     assert "padded 3.833, exact 4.500" in printed("uneven-data.md", "padded ")
     assert "0 {}" in printed("checkpoints.md", "0 {}")
     assert "{'loss': tensor(1.), 'count': 2}" in printed("api.md", "'count': 2")
+    assert "[[0], [1]] [0, 1, 2, 0, 1]" in printed("api.md", "'count': 2")  # gather_for_metrics: 3 + 2 rows
+    assert "gathered 21 samples" in printed("uneven-data.md", "gathered ")  # each sample once inside join
 
 
 def test_docs_site_builds_with_warnings_as_errors(tmp_path):

@@ -10,6 +10,7 @@ import textwrap
 
 import psutil
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -153,9 +154,9 @@ def test_a_command_line_that_cannot_start_the_program_again_is_refused_naming_wh
         assert "launcher='fork'" in program.problem and "torchrun" in program.problem
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_collectives(script, devices):
-    result = script("collectives", devices)
+@pytest.mark.parametrize(("devices", "strategy"), [(2, "ddp"), (3, "ddp"), (2, "fsdp")])
+def test_collectives(script, devices, strategy):
+    result = script("collectives", devices, strategy)
     assert result.returncode == 0, result.explain()
     assert result.stdout.count("printed once") == 1
     ranks = list(range(devices))
@@ -177,6 +178,132 @@ def test_collectives(script, devices):
     # rank_zero_first: rank 0 had left its block before any other rank entered
     assert [out["rank0_done_before"] for out in result.json()] == [r != 0 for r in ranks]
     assert [out["input_unchanged"] for out in result.json()] == [[r + 1.0, -(r + 1.0)] for r in ranks]
+    _assert_mismatches_refused_on_every_rank([out["mismatches"] for out in result.json()], devices)
+    _assert_gathered_for_metrics([out["metrics"] for out in result.json()], devices)
+    _assert_gathered_over_a_loader([out["loader"] for out in result.json()], devices)
+
+
+def _assert_mismatches_refused_on_every_rank(seen, devices):
+    """Each case raised on every rank, naming every rank's shape (and the run went on)."""
+    ranks = range(devices)
+    shown = {
+        "all_gather": ("ShapeMismatchError", [f"rank {r}: lite.all_gather of float32[{5 - 2 * r}, 4]" for r in ranks]),
+        "all_reduce": (
+            "ShapeMismatchError",
+            [f"rank {r}: lite.all_reduce(op='max') of float32[{5 - 2 * r}, 4]" for r in ranks],
+        ),
+        "nest": (
+            "ShapeMismatchError",
+            [
+                f"rank {r}: lite.all_reduce(op='sum') of {{'loss': float32[], 'rows': [float32[{5 - 2 * r}, 4]]}}"
+                for r in ranks
+            ],
+        ),
+        "dtype": (
+            "ShapeMismatchError",
+            [f"rank {r}: lite.all_reduce(op='sum') of {'float64' if r == 0 else 'int64'}[2]" for r in ranks],
+        ),
+        "number": (
+            "ShapeMismatchError",
+            [f"rank {r}: lite.all_gather of {'int64' if r == 0 else 'float64'}[]" for r in ranks],
+        ),
+        "keys": (
+            "ShapeMismatchError",
+            [
+                "rank 0: lite.all_reduce(op='sum') of {'a': float32[2], 'b': float32[2]}",
+                "rank 1: lite.all_reduce(op='sum') of {'b': float32[2], 'a': float32[2]}",
+            ],
+        ),
+        "op": (
+            "CollectiveMismatchError",
+            ["rank 0: lite.all_reduce(op='sum') of float32[2]", "rank 1: lite.all_reduce(op='max') of float32[2]"],
+        ),
+        "trailing": (
+            "ShapeMismatchError",
+            [f"rank {r}: lite.gather_for_metrics of float32[2, {3 + r}]" for r in ranks],
+        ),
+        "metrics_dtype": (
+            "ShapeMismatchError",
+            [f"rank {r}: lite.gather_for_metrics of {'int64' if r == 0 else 'float32'}[2]" for r in ranks],
+        ),
+    }
+    fixes = {
+        "all_gather": "lite.gather_for_metrics(x)",
+        "dtype": "x.float()",
+        "keys": "same keys",
+        "trailing": "first dimension",
+    }
+    for rank, cases in enumerate(seen):
+        assert sorted(cases) == sorted([*shown, "after"])
+        for case, (kind, lines) in shown.items():
+            assert cases[case] is not None, f"rank {rank}: {case} raised nothing"
+            name, message, is_mismatch, is_value_error = cases[case]
+            assert name == kind and is_mismatch, (rank, case, message)
+            assert is_value_error == (kind == "ShapeMismatchError"), (rank, case)
+            for line in lines:
+                assert line in message, (rank, case, line, message)
+            assert fixes.get(case, "") in message, (rank, case, message)
+        assert cases["after"] == [sum(r + 1.0 for r in ranks)]  # no abort: the group still works
+
+
+def _rows(r):
+    i = torch.arange(5 - 2 * r, dtype=torch.float64)
+    return torch.stack([10 * r + i, -i, i / 2], dim=1)
+
+
+def _assert_gathered_for_metrics(seen, devices):
+    """Per-rank rows of 5, 3, 1 (and nests, numbers, empty ones) are concatenated in rank order."""
+    ranks = range(devices)
+    rows = torch.cat([_rows(r) for r in ranks])
+    expected = {
+        "rows": [rows.tolist(), "torch.float64", list(rows.shape)],
+        "nest": {
+            "rows": [rows.tolist(), "torch.float64", list(rows.shape)],
+            "ids": [rows[:, 0].long().tolist(), "torch.int64", [len(rows)]],
+            "count": [[5 - 2 * r for r in ranks], "torch.int64", [devices]],
+        },
+        "scalar": [[r / 2 for r in ranks], "torch.float64", [devices]],
+        "zero_d": [list(ranks), "torch.int32", [devices]],
+        "empty_on_last": [
+            rows[: -len(_rows(devices - 1))].tolist(),
+            "torch.float64",
+            [len(rows) - len(_rows(devices - 1)), 3],
+        ],
+        "none_anywhere": [[], "torch.float64", [0, 3]],
+        "big": [(rows[:, :2] + 19).tolist(), "torch.float64", [len(rows), 2]],
+    }
+    for out in seen:
+        assert out == expected
+
+
+def _assert_gathered_over_a_loader(seen, devices):
+    """Over a set-up loader of N samples, batch 2: outside lite.join the pass is padded as
+    torch's DistributedSampler pads (its repeats are gathered too); inside it every sample is
+    gathered exactly once, in rank order, the ranks out of data contributing nothing."""
+    from torch.utils.data import DistributedSampler
+
+    n = 21 if devices == 2 else 20
+    ids = (torch.randperm(n, generator=torch.Generator().manual_seed(5)) * 10).tolist()
+    padded = [list(DistributedSampler(range(n), devices, r, shuffle=False)) for r in range(devices)]
+    shares = [p[: len(range(r, n, devices))] for r, p in enumerate(padded)]  # without the repeat
+    assert sorted(i for share in shares for i in share) == list(range(n))
+
+    def per_step(parts):
+        steps = (max(map(len, parts)) + 1) // 2
+        return [[ids[i] for part in parts for i in part[2 * k : 2 * k + 2]] for k in range(steps)]
+
+    inside = per_step(shares)
+    counts = [[len(part[2 * k : 2 * k + 2]) for part in shares if part[2 * k : 2 * k + 2]] for k in range(len(inside))]
+    assert sum(map(len, inside)) == n and len(counts[-1]) < devices  # in the last step, a rank has none
+    for rank, out in enumerate(seen):
+        assert out["ids"] == ids
+        assert out["padded"] == per_step(padded)
+        assert sum(map(len, out["padded"])) == len(padded[0]) * devices > n  # the repeats are in
+        own_steps = (len(shares[rank]) + 1) // 2
+        assert [step[:-1] for step in out["steps"]] == inside[:own_steps]
+        assert all(step[-1] is True for step in out["steps"])  # the x rows came with their ids
+        assert out["counts"] == counts[:own_steps]
+        assert out["after"] == [ids[i] for share in shares for i in share]
 
 
 FAILURES = [

@@ -28,6 +28,10 @@ def test_collectives_return_their_input_without_torch_distributed():
     assert lite.all_gather(5).tolist() == [5]
     assert lite.broadcast("x") == "x"
     lite.barrier()
+    rows = torch.arange(6.0).view(3, 2)
+    nest = lite.gather_for_metrics({"rows": rows, "n": 3, "loss": torch.tensor(0.5)})
+    assert nest["rows"] is rows  # concatenating one rank's rows: its rows
+    assert nest["n"].tolist() == [3] and nest["loss"].tolist() == [0.5]  # one value per rank
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="op='avg'"):
         lite.all_reduce(t, op="avg")

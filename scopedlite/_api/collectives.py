@@ -1,9 +1,18 @@
-"""The collectives users call: ``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``.
+"""The collectives users call: ``all_reduce``, ``all_gather``, ``gather_for_metrics``,
+``broadcast``, ``barrier``.
 
 They take tensors, Python numbers and nested lists/tuples/dicts of them, find the active run,
 and hand each leaf to the run's strategy (or to the open ``lite.join`` session, which keeps
 them correct after some ranks ran out of data). On one process they return their input and
 never touch ``torch.distributed``.
+
+Outside ``lite.join``, ``all_reduce``, ``all_gather`` and ``gather_for_metrics`` first
+exchange one small row describing the call on every rank (``_comm/signature.py``), so shapes
+or dtypes that differ between ranks raise on every rank, naming each rank's, instead of
+delivering made-up values and aborting the process. Inside the block the session's rounds
+compare what the running ranks call, once a rank has run out of data. ``broadcast`` needs
+no check: its source sends a header describing what follows, and the receivers pass nothing
+of their own.
 """
 
 from __future__ import annotations
@@ -15,11 +24,12 @@ import torch
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
 from scopedlite._comm.debug import check_same_collective, debug_enabled, describe
+from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
 from scopedlite._core.run import Run
-from scopedlite._core.structures import map_leaves, map_tensors
+from scopedlite._core.structures import map_leaves, map_tensors, structure_of
 from scopedlite._strategies.base import REDUCE_OPS
 
-__all__ = ["all_gather", "all_reduce", "barrier", "broadcast"]
+__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "gather_for_metrics"]
 
 
 def _is_leaf(x: Any) -> bool:
@@ -52,6 +62,48 @@ def _check(run: Run, target: Any, what: str) -> None:
         check_same_collective(target, run.global_rank, run.strategy.comm_device, what)
 
 
+def _leaves(data: Any) -> list[Any]:
+    """``data``'s leaves, in the order ``map_leaves`` walks them on every rank."""
+    leaves: list[Any] = []
+    map_leaves(data, leaves.append, _is_leaf)
+    return leaves
+
+
+def _rebuilt(data: Any, values: list[Any]) -> Any:
+    """``data`` with its leaves replaced, in order, by ``values``."""
+    each = iter(values)
+    return map_leaves(data, lambda _: next(each), _is_leaf)
+
+
+class _Shown:
+    """A leaf in the error's picture of a nest: ``repr`` gives ``float32[5, 4]``."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.text = leaf_text(tensor)
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor]) -> Call:
+    return Call(
+        kind,
+        op,
+        structure_of(data, _is_leaf),
+        tuple(tensors),
+        lambda: repr(_rebuilt(data, [_Shown(t) for t in tensors])),
+        run.global_rank,
+    )
+
+
+def _checked(run: Run, target: Any, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor]) -> None:
+    """The per-call check of shapes, outside ``lite.join``. Inside, the session's rounds
+    compare what the running ranks call once a rank has run out; before that, nothing does
+    (join's own issue)."""
+    if target is run.strategy:
+        check_same(_call(run, kind, op, data, tensors), target.all_gather, target.all_reduce)
+
+
 def all_reduce(data: Any, op: str = "sum") -> Any:
     """Reduce ``data`` over all ranks and return the result on every rank.
 
@@ -63,6 +115,11 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
         The same structure with every leaf reduced. The input is not modified. Numbers come
         back as numbers; on several processes a mean of ints comes back as a float. On one
         process the input itself is returned, as every collective does there.
+
+    Raises:
+        ShapeMismatchError: On every rank, where the ranks' leaves differ in shape or dtype
+            (or their nests in structure), naming each rank's; ``CollectiveMismatchError``
+            where their ops differ.
     """
     if op not in REDUCE_OPS:
         raise ValueError(
@@ -72,35 +129,87 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
     if run.world_size == 1:
         return data
     target = _target(run)
-
-    def reduce(leaf: Any) -> Any:
-        tensor = _as_tensor(leaf, run.device)
-        if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
-            tensor = tensor.to(torch.float64 if not isinstance(leaf, torch.Tensor) else torch.get_default_dtype())
+    leaves = _leaves(data)
+    tensors = [_reduced_form(leaf, op, run.device) for leaf in leaves]
+    for tensor in tensors:
         _check(run, target, describe("all_reduce", tensor, op=op))
-        return _back(target.all_reduce(tensor, op), leaf)
+    _checked(run, target, "all_reduce", op, data, tensors)
+    return _rebuilt(data, [_back(target.all_reduce(t, op), leaf) for t, leaf in zip(tensors, leaves)])
 
-    return map_leaves(data, reduce, _is_leaf)
+
+def _reduced_form(leaf: Any, op: str, device: torch.device) -> torch.Tensor:
+    """``leaf`` as a tensor of the dtype it is reduced in: a mean of integers is a float."""
+    tensor = _as_tensor(leaf, device)
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        tensor = tensor.to(torch.float64 if not isinstance(leaf, torch.Tensor) else torch.get_default_dtype())
+    return tensor
 
 
 def all_gather(data: Any) -> Any:
     """Gather ``data`` from all ranks, stacked on a new leading dimension of size world size.
 
     Numbers become tensors of shape ``(world_size,)``. Tensors must have the same shape and
-    dtype on every rank. On one process the input comes back with a leading dimension of 1.
-    Inside ``lite.join`` the leading dimension holds the ranks still active, in rank order.
+    dtype on every rank: where they differ, every rank raises ``lite.ShapeMismatchError``
+    naming each rank's (for batches whose length differs by rank, use
+    :func:`gather_for_metrics`). On one process the input comes back with a leading
+    dimension of 1. Inside ``lite.join`` the leading dimension holds the ranks still active,
+    in rank order.
     """
     run = current()
     if run.world_size == 1:
         return map_leaves(data, lambda leaf: _as_tensor(leaf, run.device).unsqueeze(0), _is_leaf)
     target = _target(run)
-
-    def gather(leaf: Any) -> Any:
-        tensor = _as_tensor(leaf, run.device)
+    tensors = [_as_tensor(leaf, run.device) for leaf in _leaves(data)]
+    for tensor in tensors:
         _check(run, target, describe("all_gather", tensor))
-        return target.all_gather(tensor)
+    _checked(run, target, "all_gather", None, data, tensors)
+    return _rebuilt(data, [target.all_gather(t) for t in tensors])
 
-    return map_leaves(data, gather, _is_leaf)
+
+def gather_for_metrics(data: Any) -> Any:
+    """Every rank's rows of ``data``, concatenated in rank order: each sample once.
+
+    For what evaluation gathers: per-sample predictions and targets, whose first dimension
+    may differ by rank (the last batch of an epoch). Each tensor leaf of ``data`` (nested in
+    lists, tuples, dicts) is concatenated along its first dimension; a Python number or a 0-d
+    tensor counts as one row, so it comes back as a 1-D tensor of one value per rank. Every
+    other dimension and the dtype must be the same on every rank, or every rank raises
+    ``lite.ShapeMismatchError`` naming each rank's shape. On one process ``data`` comes back
+    as it is (numbers and 0-d tensors as 1-D tensors of one value).
+
+    Inside ``lite.join`` the ranks that ran out of data contribute nothing, and a set-up
+    loader there pads nothing, so every sample of the dataset is gathered exactly once.
+    Outside it, a set-up loader pads its pass as ``DistributedSampler`` does (the last
+    ranks repeat the first samples to even out the counts); those repeats are gathered like
+    any other row, since which rows repeat is not known here: evaluate inside ``lite.join``
+    to see every sample once.
+    """
+    run = current()
+    leaves = _leaves(data)
+    tensors = [_as_tensor(leaf, run.device).reshape(1) if _is_scalar(leaf) else leaf for leaf in leaves]
+    if run.world_size == 1:
+        return _rebuilt(data, tensors)
+    target = _target(run)
+    for tensor in tensors:
+        _check(run, target, describe("gather_for_metrics", tensor, rows_differ=True))
+    lengths = first_dims(_call(run, "gather_for_metrics", None, data, tensors), target.all_gather)
+    return _rebuilt(data, [_concatenated(target, t, [ranks[i] for ranks in lengths]) for i, t in enumerate(tensors)])
+
+
+def _is_scalar(leaf: Any) -> bool:
+    return not isinstance(leaf, torch.Tensor) or leaf.dim() == 0
+
+
+def _concatenated(target: Any, tensor: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each rank's ``lengths[r]`` rows of ``tensor``, in rank order: padded to the longest,
+    gathered, and cut back."""
+    longest = max(lengths)
+    if longest == 0:  # no rank has a row: nothing to send, and this rank's empty tensor is the result
+        return tensor
+    if len(tensor) < longest:
+        tensor = torch.cat([tensor, tensor.new_zeros((longest - len(tensor), *tensor.shape[1:]))])
+    rows = target.all_gather(tensor)
+    return torch.cat([rows[r, :n] for r, n in enumerate(lengths)])
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:

@@ -41,14 +41,23 @@ def call_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-def describe(kind: str, tensor: torch.Tensor | None = None, op: str | None = None, src: int | None = None) -> str:
+def describe(
+    kind: str,
+    tensor: torch.Tensor | None = None,
+    op: str | None = None,
+    src: int | None = None,
+    rows_differ: bool = False,
+) -> str:
+    """What a rank calls, as the ranks compare it; ``rows_differ``: the first dimension may
+    differ between ranks (``gather_for_metrics``), so it is left out."""
     parts = []
     if op is not None:
         parts.append(f"op={op!r}")
     if src is not None:
         parts.append(f"src={src}")
     if tensor is not None:
-        parts.append(f"shape={tuple(tensor.shape)}, dtype={tensor.dtype}")
+        shape = ("*", *tensor.shape[1:]) if rows_differ else tuple(tensor.shape)
+        parts.append(f"shape=({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}), dtype={tensor.dtype}")
     return f"{kind}({', '.join(parts)})"
 
 

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["map_leaves", "map_tensors"]
+__all__ = ["map_leaves", "map_tensors", "structure_of"]
 
 
 def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
@@ -32,3 +32,27 @@ def map_leaves(data: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], boo
 def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """Apply ``fn`` to every tensor in ``data``; other leaves are returned unchanged."""
     return map_leaves(data, fn, lambda x: isinstance(x, torch.Tensor))
+
+
+def structure_of(data: Any, is_leaf: Callable[[Any], bool]) -> str:
+    """The shape of the nest around ``data``'s leaves, as text that is the same on every rank
+    for the same structure: containers, their keys and the order :func:`map_leaves` walks them
+    in, with ``*`` for each leaf. Two ranks passing dicts with the same keys in another order
+    differ here, since their leaves would pair up wrongly in a collective issued per leaf.
+    Keys other than strings, numbers and None appear as their type (their ``repr`` may hold a
+    memory address, which differs between processes)."""
+    if is_leaf(data):
+        return "*"
+    if isinstance(data, Mapping):
+        inner = ", ".join(f"{_key(k)}: {structure_of(v, is_leaf)}" for k, v in data.items())
+        return f"{{{inner}}}"
+    if isinstance(data, (list, tuple)):
+        inner = ", ".join(structure_of(v, is_leaf) for v in data)
+        if isinstance(data, tuple) and hasattr(data, "_fields"):
+            return f"{type(data).__name__}({inner})"
+        return f"[{inner}]" if isinstance(data, list) else f"({inner})"
+    return type(data).__name__  # passed through unchanged
+
+
+def _key(key: Any) -> str:
+    return repr(key) if key is None or isinstance(key, (str, int, float)) else type(key).__qualname__

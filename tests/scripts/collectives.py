@@ -1,6 +1,10 @@
 """Every collective, on tensors, numbers and nested structures; rank 0 writes all results.
 
-argv: devices
+Also: shapes, dtypes and nests that differ between ranks raise on every rank (and the run goes
+on), and lite.gather_for_metrics of per-rank rows, outside lite.join and inside it over a
+set-up loader of an uneven dataset (the test computes the references).
+
+argv: devices [strategy]
 """
 
 import os
@@ -9,9 +13,12 @@ import sys
 import torch
 
 import scopedlite as lite
-from _common import write
+from _common import make_model, write
 
 devices = int(sys.argv[1])
+strategy = sys.argv[2] if len(sys.argv) > 2 else "ddp"
+N = 21 if devices == 2 else 20  # uneven: shares of 11 + 10, or 7 + 7 + 6, inside lite.join
+IDS = torch.randperm(N, generator=torch.Generator().manual_seed(5)) * 10  # a sample's value: not its index
 
 
 def plain(obj):
@@ -24,7 +31,93 @@ def plain(obj):
     return obj
 
 
-with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60) as run:
+def refused(fn):
+    """What calling ``fn`` raised on this rank: (exception type, message), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test names the type it expects
+        return [type(e).__name__, str(e), isinstance(e, lite.CollectiveMismatchError), isinstance(e, ValueError)]
+    return None
+
+
+def listed(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj.tolist(), str(obj.dtype), list(obj.shape)]
+    if isinstance(obj, dict):
+        return {k: listed(v) for k, v in obj.items()}
+    return obj
+
+
+def rows(r):
+    """Rank r's rows: 5, 3, 1 of them (rank 2), each row [10r + i, -i, i / 2] (float64)."""
+    n = 5 - 2 * r
+    i = torch.arange(n, dtype=torch.float64)
+    return torch.stack([10 * r + i, -i, i / 2], dim=1)
+
+
+def mismatches(r):
+    ragged = torch.arange(4 * (5 - 2 * r), dtype=torch.float32).view(-1, 4)  # (5, 4), (3, 4), (1, 4)
+    same_bytes = torch.ones(2, dtype=torch.float64 if r == 0 else torch.int64)  # 16 bytes everywhere
+    keys = {"a": torch.ones(2), "b": torch.ones(2)} if r == 0 else {"b": torch.ones(2), "a": torch.ones(2)}
+    out = {
+        "all_gather": refused(lambda: lite.all_gather(ragged)),
+        "all_reduce": refused(lambda: lite.all_reduce(ragged, op="max")),
+        "nest": refused(lambda: lite.all_reduce({"loss": torch.ones(()), "rows": [ragged]})),
+        "dtype": refused(lambda: lite.all_reduce(same_bytes)),
+        "number": refused(lambda: lite.all_gather(1 if r == 0 else 1.5)),
+        "keys": refused(lambda: lite.all_reduce(keys)),
+        "op": refused(lambda: lite.all_reduce(torch.ones(2), op="sum" if r == 0 else "max")),
+        "trailing": refused(lambda: lite.gather_for_metrics(torch.ones(2, 3 + r))),
+        "metrics_dtype": refused(
+            lambda: lite.gather_for_metrics(torch.ones(2, dtype=torch.float32 if r else torch.int64))
+        ),
+    }
+    out["after"] = lite.all_reduce(torch.tensor([r + 1.0])).tolist()  # the group still works
+    return out
+
+
+def metrics_outside_join(r):
+    big = {f"m{k}": rows(r)[:, :2] + k for k in range(20)}  # too big for the check's row
+    return {
+        "rows": listed(lite.gather_for_metrics(rows(r))),
+        "nest": listed(
+            lite.gather_for_metrics({"rows": rows(r), "ids": (rows(r)[:, 0]).long(), "count": len(rows(r))})
+        ),
+        "scalar": listed(lite.gather_for_metrics(r / 2)),
+        "zero_d": listed(lite.gather_for_metrics(torch.tensor(r, dtype=torch.int32))),
+        "empty_on_last": listed(lite.gather_for_metrics(rows(r) if r < devices - 1 else rows(r)[:0])),
+        "none_anywhere": listed(lite.gather_for_metrics(rows(r)[:0])),
+        "big": listed(lite.gather_for_metrics(big)["m19"]),
+    }
+
+
+def metrics_over_loader(run):
+    """Per-batch gathers over a set-up loader of N samples (batch 2): a padded pass outside
+    lite.join, then a pass inside it with a training step, per-batch gathers, and one gather
+    after the loop (a rank that finished first waits for the others there)."""
+    data = torch.utils.data.TensorDataset(torch.randn(N, 4, generator=torch.Generator().manual_seed(6)), IDS)
+    net = make_model()
+    model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=2))
+    padded = [lite.gather_for_metrics(ids).tolist() for _, ids in loader]
+    steps, counts, mine = [], [], []
+    with lite.join(model):
+        for x, ids in loader:
+            loss = model(x).pow(2).mean()
+            lite.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            got = lite.gather_for_metrics({"ids": ids, "x": x})
+            steps.append(got["ids"].tolist())
+            counts.append(lite.gather_for_metrics(len(ids)).tolist())
+            mine.append(ids)
+            ok = torch.equal(got["x"].cpu(), data.tensors[0][[int((IDS == i).nonzero()) for i in got["ids"]]])
+            steps[-1].append(ok)
+        after = lite.gather_for_metrics(torch.cat(mine)).tolist()
+    return {"padded": padded, "steps": steps, "counts": counts, "after": after, "ids": IDS.tolist()}
+
+
+with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
     r = run.global_rank
     value = torch.tensor([r + 1.0, -(r + 1.0)])
     out = {
@@ -43,6 +136,9 @@ with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60)
         "broadcast_tensor": lite.broadcast(torch.arange(3) * 7 if r == 1 else None, src=1).tolist(),
         "broadcast_obj": lite.broadcast({"from": r, "list": [r] * 2}, src=devices - 1),
         "world": [run.world_size, run.local_world_size, run.node_rank],
+        "mismatches": mismatches(r),
+        "metrics": metrics_outside_join(r),
+        "loader": metrics_over_loader(run),
     }
     lite.barrier()
     marker = os.environ["OUT"] + ".rank0-was-here"

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from scopedlite._private.deepspeed_internals import forget_forward_stack
+from scopedlite._strategies.deepspeed.crossing import leaves_reached, refuse_crossing
 from scopedlite._strategies.user_model import UserModelView, saving_method, user_owns, view_class
 
 __all__ = ["EngineRecord", "EngineView", "Engines", "accumulating", "clip_full_gradients", "user_facing"]
@@ -187,12 +188,18 @@ def user_facing(engine: Any) -> Any:
 
 @dataclass(eq=False)
 class EngineRecord:
-    """What the run knows about one engine (keyed by the face the user holds)."""
+    """What the run knows about one engine (keyed by the face the user holds).
+
+    Attributes:
+        name: How errors name the model: its class and its place in setup order.
+        synced_backwards: Backward passes at an accumulation boundary since the last step.
+    """
 
     engine: Any
     optimizer: torch.optim.Optimizer | None
     parameter_ids: frozenset[int]
     release: weakref.finalize
+    name: str
     synced_backwards: int = field(default=0)
 
 
@@ -207,6 +214,7 @@ class Engines:
     def __init__(self) -> None:
         self._faces: list[weakref.ref[Any]] = []
         self._records: weakref.WeakKeyDictionary[Any, EngineRecord] = weakref.WeakKeyDictionary()
+        self._added = 0
 
     def add(self, face: Any, engine: Any, optimizer: torch.optim.Optimizer | None) -> EngineRecord:
         """Register ``face``; ``engine.destroy()`` runs once, when the user drops the face or
@@ -214,11 +222,13 @@ class Engines:
         moments)."""
         self._faces = [r for r in self._faces if r() is not None]
         self._faces.append(weakref.ref(face))
+        self._added += 1
         record = EngineRecord(
             engine=engine,
             optimizer=optimizer,
             parameter_ids=frozenset(id(p) for p in engine.module.parameters()),
             release=weakref.finalize(face, _release, engine),
+            name=f"{type(engine.module).__name__} (model {self._added} set up in this run)",
         )
         self._records[face] = record
         return record
@@ -239,9 +249,20 @@ class Engines:
         for face in self.alive():
             self._records[face].release()
 
-    def for_backward(self, loss: torch.Tensor, model: Any, engine_class: type) -> EngineRecord:
-        """The engine ``lite.backward(loss, model=model)`` must drive."""
+    def for_backward(self, loss: torch.Tensor, model: Any, engine_class: type, stage: int) -> EngineRecord:
+        """The engine ``lite.backward(loss, model=model)`` must drive. A loss that would also
+        give gradients to another engine's parameters (a GAN's generator loss through the
+        discriminator) is refused with the way out (crossing.py). The loss's graph is walked
+        only when the run has several models."""
         engines = self.alive()
+        leaves = leaves_reached(loss) if len(engines) > 1 and getattr(loss, "grad_fn", None) is not None else []
+        record = self._target(loss, model, engine_class, engines, leaves)
+        refuse_crossing(record, [self._records[e] for e in engines], leaves, stage)
+        return record
+
+    def _target(
+        self, loss: torch.Tensor, model: Any, engine_class: type, engines: list[Any], leaves: list[torch.Tensor]
+    ) -> EngineRecord:
         if model is not None:
             if not isinstance(model, engine_class) or not any(model is e for e in engines):
                 raise TypeError(
@@ -258,7 +279,7 @@ class Engines:
                 "gradients (torch.no_grad, or from detached tensors) and there is nothing to "
                 "backpropagate."
             )
-        reached = _parameters_reached(loss)
+        reached = {id(leaf) for leaf in leaves}
         found = [self._records[e] for e in engines if self._records[e].parameter_ids & reached]
         training = [r for r in found if r.optimizer is not None]
         if len(training) == 1:
@@ -289,23 +310,6 @@ def _needs_optimizer(record: EngineRecord) -> EngineRecord:
             "`model, opt = lite.setup(model, opt)`."
         )
     return record
-
-
-def _parameters_reached(loss: torch.Tensor) -> frozenset[int]:
-    """The ids of the leaf tensors (parameters) whose gradients ``loss.backward()`` computes."""
-    reached: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return frozenset(reached)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from scopedlite._private.deepspeed_internals import is_zero3_partitioned
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
 from scopedlite._strategies.deepspeed.config import ZeroSettings, half_dtype
+from scopedlite._strategies.deepspeed.crossing import refuse_stage_0
 from scopedlite._strategies.deepspeed.engines import (
     EngineRecord,
     Engines,
@@ -354,7 +355,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "lite.backward(loss) under strategy='deepspeed' takes the loss only (it calls "
                 f"engine.backward(loss)); got extra arguments {args!r} {kwargs!r}."
             )
-        record = self.engines.for_backward(loss, model, self.deepspeed.DeepSpeedEngine)
+        record = self.engines.for_backward(loss, model, self.deepspeed.DeepSpeedEngine, self.stage)
         engine = record.engine
         synced = engine.is_gradient_accumulation_boundary()
         if synced and self.stage < 3 and engine.gradient_accumulation_steps() == 1 and record.synced_backwards:
@@ -367,7 +368,13 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "in between."
             )
         with filtered_warnings():
-            engine.backward(loss)
+            try:
+                engine.backward(loss)
+            except RuntimeError as e:
+                # Stage 0, through another engine's forward (even one with frozen parameters)
+                if self.stage == 0 and "Direct calls to tensor.backward()" in str(e):
+                    raise refuse_stage_0(record.name) from e
+                raise
         if synced:
             record.synced_backwards += 1
 

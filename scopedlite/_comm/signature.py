@@ -1,0 +1,205 @@
+"""Before a collective, one small exchange: every rank's shapes and dtypes, compared.
+
+Given tensors of different sizes on different ranks, gloo reads past what each rank sent
+(made-up values arrive) and then aborts the process with SIGABRT ("Received data size
+doesn't match expected size"), naming no rank; tensors of the same size but another dtype
+are reinterpreted silently. So ``lite.all_reduce``, ``lite.all_gather`` and
+``lite.gather_for_metrics`` first exchange one int64 row per rank that describes the
+whole call: which collective and op, the nest's structure, and each leaf's dtype and sizes.
+The row has the same length whatever the call, so this exchange always matches; a
+description too long for it travels as its length and a digest. The plain collectives
+compare the rows with one small all-reduce (the largest and smallest value of each slot);
+``gather_for_metrics`` gathers them, since it needs each rank's first dimensions. Every rank
+reads the same result, so on a difference every rank raises at once, before any data
+travels, naming each rank's shapes (a second exchange, on that path only, brings the readable descriptions).
+
+``gather_for_metrics`` reads each rank's first dimensions from the same rows (from a second
+exchange when a nest is too big for a row): tensors whose first dimension differs by rank
+are then padded to the longest, gathered and cut back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from scopedlite._comm.debug import CollectiveMismatchError
+from scopedlite._comm.wire import DTYPES, TORCH_OPS, from_bytes, to_bytes
+
+__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "first_dims"]
+
+Gather = Callable[[torch.Tensor], torch.Tensor]  # stacks every taking-part rank's tensor, in rank order
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, op) -> reduced over the same ranks
+
+ROW = 64  # int64 slots of the row each rank sends: [description length, description or digest]
+_KINDS = ("all_reduce", "all_gather", "gather_for_metrics")
+_OPS = (None, *TORCH_OPS)
+# Every dtype torch has, the wire's first (its codes), the rest by name: the same on every rank.
+_ALL_DTYPES: tuple[torch.dtype, ...] = DTYPES + tuple(
+    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(DTYPES), key=str)
+)
+_DESCRIPTION_AT = 4  # kind, op, structure digest, number of leaves; then per leaf dtype, ndim, dims
+
+
+class ShapeMismatchError(CollectiveMismatchError, ValueError):
+    """The ranks called the same collective with tensors of different shapes or dtypes (or
+    nests of another structure). Raised on every rank before any data travels."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One rank's call of a collective, as the other ranks must see it.
+
+    Args:
+        kind: ``"all_reduce"``, ``"all_gather"`` or ``"gather_for_metrics"``.
+        op: The reduction of an ``all_reduce``, else None.
+        structure: The nest around the leaves (``structures.structure_of``).
+        tensors: The leaves as they travel, in the order the nest is walked.
+        shown: The nest with each leaf as :func:`leaf_text` shows it, for the error only.
+        rank: This rank's global rank, to name it in the error.
+    """
+
+    kind: str
+    op: str | None
+    structure: str
+    tensors: tuple[torch.Tensor, ...]
+    shown: Callable[[], str]
+    rank: int
+
+    def description(self) -> list[int]:
+        out = [_KINDS.index(self.kind), _OPS.index(self.op), _digest(self.structure.encode()), len(self.tensors)]
+        for tensor in self.tensors:
+            out += [_ALL_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        return out
+
+    def row(self, description: list[int]) -> torch.Tensor:
+        """``[length, description..., 0...]``, or ``[length, digest, 0...]`` when too long
+        to travel whole (equal lengths and digests then stand for equal descriptions)."""
+        if len(description) < ROW:
+            values = [len(description), *description]
+        else:
+            values = [len(description), _digest(",".join(map(str, description)).encode())]
+        return torch.tensor(values + [0] * (ROW - len(values)), dtype=torch.int64)
+
+
+def leaf_text(tensor: torch.Tensor) -> str:
+    """``float32[5, 4]``: a leaf as the error shows it."""
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, tensor.shape))}]"
+
+
+def check_same(call: Call, gather: Gather, reduce: Reduce) -> None:
+    """Raise on every rank unless every rank describes ``call`` alike.
+
+    One all-reduce (``max``) of the row beside its negation: the ranks' rows are all equal
+    exactly when, in every slot, the largest value is minus the largest negated one (the
+    smallest). An all-reduce, not a gather: gloo's all-gather of a small tensor costs about
+    twice its all-reduce (``benchmarks/collective_checks.py``). Only on a difference does
+    ``gather`` bring each rank's description, for the error.
+    """
+    row = call.row(call.description())
+    extremes = reduce(torch.cat([row, -row]), "max")
+    if not torch.equal(extremes[:ROW], -extremes[ROW:]):
+        _refuse(call, gather)
+
+
+def first_dims(call: Call, gather: Gather) -> list[list[int]]:
+    """For ``gather_for_metrics``: every taking-part rank's first dimension of each leaf
+    (``[rank][leaf]``, in rank order), after checking that the ranks agree in all else."""
+    description = call.description()
+    rows = gather(call.row(description))
+    if bool((rows[:, 0] < ROW).all()):
+        descriptions = [row[1 : 1 + int(row[0])].tolist() for row in rows]
+    else:  # a nest too big for a row: the descriptions themselves
+        descriptions = [d for _, _, d in _gather_objects((0, "", description), gather)]
+    if any(_without_first_dims(d) != _without_first_dims(descriptions[0]) for d in descriptions):
+        _refuse(call, gather)
+    return [_first_dims(d) for d in descriptions]
+
+
+def _refuse(call: Call, gather: Gather) -> None:
+    """Every rank is here together: exchange what each called, and raise the same error."""
+    seen = _gather_objects((call.rank, call.shown(), call.description()), gather)
+    table = "\n".join(f"  rank {rank}: lite.{_KINDS[d[0]]}{_op_text(d[1])} of {shown}" for rank, shown, d in seen)
+    descriptions = [d for _, _, d in seen]
+    if len({(d[0], d[1]) for d in descriptions}) > 1:
+        raise CollectiveMismatchError(
+            f"The ranks called different collectives at the same point:\n{table}\n"
+            "Every rank must call the same collectives, with the same op, in the same order."
+        )
+    if len({(d[2], d[3]) for d in descriptions}) > 1:
+        what, fix = (
+            "nests of a different structure",
+            "Pass the same containers, with the same keys in the same order, on every rank.",
+        )
+    elif len({tuple(_dtypes(d)) for d in descriptions}) > 1:
+        what, fix = (
+            "different dtypes",
+            "Cast to one dtype on every rank first (`x.float()`; `float(n)` for a Python number).",
+        )
+    else:
+        what, fix = "different shapes", _shape_fix(call.kind)
+    raise ShapeMismatchError(
+        f"lite.{call.kind} was called with {what} on different ranks, so the ranks cannot "
+        f"exchange them (torch.distributed would deliver made-up values or abort the process):\n"
+        f"{table}\n{fix}"
+    )
+
+
+def _shape_fix(kind: str) -> str:
+    if kind == "gather_for_metrics":
+        return (
+            "lite.gather_for_metrics lets the first dimension differ between ranks; every other "
+            "dimension must be the same on every rank (pad them to a common size)."
+        )
+    instead = {
+        "all_gather": "Pad to a common shape on every rank,",
+        "all_reduce": "Reduce tensors of one shape on every rank (e.g. per-rank totals: `x.sum()` and `len(x)`),",
+    }[kind]
+    return (
+        f"{instead} or use lite.gather_for_metrics(x) for per-rank batches of different lengths "
+        "(the last batch of an epoch)."
+    )
+
+
+def _op_text(code: int) -> str:
+    return f"(op={_OPS[code]!r})" if _OPS[code] is not None else ""
+
+
+def _leaves(description: list[int]) -> list[tuple[int, list[int]]]:
+    leaves, at = [], _DESCRIPTION_AT
+    for _ in range(description[3]):
+        dtype, ndim = description[at], description[at + 1]
+        leaves.append((dtype, description[at + 2 : at + 2 + ndim]))
+        at += 2 + ndim
+    return leaves
+
+
+def _dtypes(description: list[int]) -> list[int]:
+    return [dtype for dtype, _ in _leaves(description)]
+
+
+def _without_first_dims(description: list[int]) -> list[Any]:
+    return [*description[:_DESCRIPTION_AT], *((dtype, dims[1:]) for dtype, dims in _leaves(description))]
+
+
+def _first_dims(description: list[int]) -> list[int]:
+    return [dims[0] for _, dims in _leaves(description)]
+
+
+def _digest(data: bytes) -> int:
+    """56 bits of BLAKE2b: non-negative in an int64, the same in every process (``hash()``
+    of a str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "big")
+
+
+def _gather_objects(obj: Any, gather: Gather) -> list[Any]:
+    """Every taking-part rank's ``obj``, in rank order: lengths first, then padded bytes."""
+    payload = to_bytes(obj)
+    lengths = gather(torch.tensor([payload.numel()], dtype=torch.int64)).flatten().tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    rows = gather(padded)
+    return [from_bytes(row[:n]) for row, n in zip(rows, lengths)]
