@@ -6,6 +6,8 @@ keys: it is loaded into the module of ``state`` when ``state`` holds exactly one
 strategy (a sharded one reading its part, as from any file). Where that is not what the user
 means, or cannot be told, it is refused with the line that loads it:
 
+- ``state`` holds no module (under ``strict=True``): the file has none of its entries;
+- ``state`` holds no module (under ``strict=True``): the file has none of its entries;
 - ``state`` holds several modules: which one the file is cannot be told;
 - ``state`` holds other entries too, under ``strict=True``: the file has none of them;
 - none of the file's keys is one of the module's: it is another module's state dict.
@@ -34,11 +36,14 @@ def as_entries(checkpoint: Checkpoint, state: dict[str, Any], strict: bool) -> C
     ):
         return checkpoint
     keys = list(checkpoint.content)
-    held = f"{checkpoint.path} holds one module's state dict (torch.save(model.state_dict()): keys {_few(keys)})"
+    held = f"{checkpoint.path} holds tensors by name only (keys {_few(keys)}), as torch.save(model.state_dict()) writes"
     modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
     if not modules:
+        if not strict:  # what is there is returned, as from any file
+            return checkpoint
         raise KeyError(
-            f"{held}, not the entries {list(state)}. Load it into its model: lite.load(path, {{'model': model}})."
+            f"{held}, not the entries {list(state)}. If it is a model's state dict, load it into the model: "
+            "lite.load(path, {'model': model})."
         )
     if len(modules) > 1:
         raise ValueError(
