@@ -41,7 +41,7 @@ def check_same_path(path: str | os.PathLike[str], caller: str) -> None:
     run = current()
     if run.world_size == 1:
         return
-    mine = os.path.abspath(os.fspath(path))
+    mine = os.path.abspath(os.fsdecode(path))
     session = active_session(run)
     target: Any = session if session is not None else run.strategy
     # 62 bits, so that the negation of every digest is an int64 too
