@@ -211,3 +211,26 @@ def test_a_plain_state_dict_file_is_refused_where_it_cannot_be_told_and_each_fix
 
     with pytest.raises(lite.CheckpointError, match="another module's state dict"):
         lite.load(path, {"model": torch.nn.Linear(2, 2)})
+
+
+def test_entries_a_plain_torch_script_named_its_own_way_are_suggested_under_their_names(tmp_path):
+    """PyTorch's tutorial saves ``model_state_dict`` and ``optimizer_state_dict``: loading it
+    into ``{"model": ..., "optimizer": ...}`` names the line that loads it, which works
+    (``strict=False`` would restore nothing of the model)."""
+    model, opt = _trained()
+    path = tmp_path / "tutorial.pt"
+    torch.save({"epoch": 3, "model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "loss": 0.5}, path)
+    fresh, fresh_opt = _trained(seed=1)
+    with pytest.raises(KeyError, match="under the checkpoint's names") as refused:
+        lite.load(path, {"model": fresh, "optimizer": fresh_opt, "step": 0})
+    suggested = re.search(r"lite\.load\(path, \{.*?\}\)", str(refused.value)).group(0)
+    rest = eval(suggested, {"lite": lite, "path": path, "model": fresh, "optimizer": fresh_opt})  # noqa: S307
+    assert rest == {"epoch": 3, "loss": 0.5}
+    _same(fresh.state_dict(), model.state_dict(), "the model")
+    _same(
+        {str(k): v["exp_avg"] for k, v in fresh_opt.state_dict()["state"].items()},
+        {str(k): v["exp_avg"] for k, v in opt.state_dict()["state"].items()},
+        "the optimizer's moments",
+    )
+    with pytest.raises(KeyError, match=r"strict=False to restore the entries both have and leave \['step'\]"):
+        lite.load(path, {"step": 0})

@@ -31,6 +31,7 @@ from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
 from scopedlite._api.dataloader import DeviceDataLoader
 from scopedlite._api.join import in_join
+from scopedlite._api.missing_entries import missing_entries
 from scopedlite._api.state_dict_file import as_entries
 from scopedlite._io.canonical import OBJECT, Checkpoint, without_wrapper_prefix
 from scopedlite._io.files import CheckpointError, state_dicts, write_atomically
@@ -151,10 +152,7 @@ def _restore(
     the keys the strategy already restored its own way."""
     missing = [k for k in state if k not in checkpoint and k not in loaded]
     if missing and strict:
-        raise KeyError(
-            f"{checkpoint.path} has no entry {missing}; it holds {list(checkpoint.kinds)}. Pass "
-            "strict=False to restore only what is there."
-        )
+        raise KeyError(missing_entries(checkpoint, state, missing))
     modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
     for key, target in state.items():
         if key not in checkpoint or key in loaded:

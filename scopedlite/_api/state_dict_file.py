@@ -7,7 +7,6 @@ strategy (a sharded one reading its part, as from any file). Where that is not w
 means, or cannot be told, it is refused with the line that loads it:
 
 - ``state`` holds no module (under ``strict=True``): the file has none of its entries;
-- ``state`` holds no module (under ``strict=True``): the file has none of its entries;
 - ``state`` holds several modules: which one the file is cannot be told;
 - ``state`` holds other entries too, under ``strict=True``: the file has none of them;
 - none of the file's keys is one of the module's: it is another module's state dict.
