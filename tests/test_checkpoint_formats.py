@@ -3,7 +3,9 @@
 The formats themselves are read for real by tests/test_checkpoint_moves.py (every strategy's
 checkpoint under every other); here: parts of tensors, optimizer states named through the
 optimizer they load into, the refusals, and how a DeepSpeed flat partition is filled from
-each parameter's slice (with plain tensors standing for DeepSpeed's partitions).
+each parameter's slice (with plain tensors standing for DeepSpeed's partitions); files plain
+torch wrote (a bare state dict, wrapped models' prefixes, entries named their own way) and
+the refusals whose suggested line each test runs as written.
 """
 
 from __future__ import annotations

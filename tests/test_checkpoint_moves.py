@@ -13,6 +13,11 @@ one more for ddp and fsdp to load what was saved after them, one process running
 deepspeed_stage_2 (which saves a ZeRO-2 checkpoint too), fsdp and deepspeed_stage_3 on one
 device one after another, and fsdp on 3 ranks. A model of eight 4 MB parameters checks that
 loading a sharded checkpoint never needs the whole model.
+
+The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain torch wrote
+(issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
+a model's and an AdamW's state dicts and an epoch, each compared with the plain-torch model;
+and every 2-rank launch tries ``lite.save`` / ``lite.load`` with a path that differs by rank.
 """
 
 from __future__ import annotations
