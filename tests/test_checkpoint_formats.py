@@ -3,19 +3,29 @@
 The formats themselves are read for real by tests/test_checkpoint_moves.py (every strategy's
 checkpoint under every other); here: parts of tensors, optimizer states named through the
 optimizer they load into, the refusals, and how a DeepSpeed flat partition is filled from
-each parameter's slice (with plain tensors standing for DeepSpeed's partitions).
+each parameter's slice (with plain tensors standing for DeepSpeed's partitions); files plain
+torch wrote (a bare state dict, wrapped models' prefixes, entries named their own way) and
+the refusals whose suggested line each test runs as written.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 import torch
+
+from conftest import SCRIPTS
 
 import scopedlite as lite
 from scopedlite._io.canonical import Box, read_flat
 from scopedlite._io.reader import open_checkpoint
 from scopedlite._private.deepspeed_internals import ZeroSlot
 from scopedlite._strategies.deepspeed.checkpoint import _load_partition
+
+sys.path.insert(0, str(SCRIPTS))
+from _common import assert_close  # noqa: E402
 
 
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -131,3 +141,98 @@ def test_a_deepspeed_partition_refuses_step_counts_that_differ(tmp_path):
     flat, slots = _partition(weights, 0, world=2)
     with pytest.raises(lite.CheckpointError, match="one 'step' for parameters.*differ"):
         _load_partition(torch.optim.AdamW([flat]), entry, list(zip(["0.weight", "1.weight"], slots)))
+
+
+def _same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    assert_close({k: v.tolist() for k, v in got.items()}, {k: v.tolist() for k, v in expected.items()}, 0.0, what)
+
+
+def _suggested(message: str) -> str:
+    """The ``lite.load(path, {...})`` line an error suggests (the test runs it as written)."""
+    match = re.search(r"lite\.load\(path, \{[^}]*\}\)", message)
+    assert match, f"no lite.load line suggested in: {message}"
+    return match.group(0)
+
+
+class _Holder(torch.nn.Module):
+    """A model whose own submodule is called ``module``: its keys start with "module."."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(3, 2)
+
+
+def test_a_plain_state_dict_file_loads_into_the_one_module_of_state(tmp_path):
+    """``torch.save(model.state_dict())``, the same from DataParallel / DDP ("module.") and
+    from a compiled model ("_orig_mod."): the weights land in the module, nothing else returns."""
+    model, _ = _trained()
+    wrapped = {"P": model, "PD": torch.nn.DataParallel(model), "PC": torch.compile(model)}
+    for name, saved in wrapped.items():
+        torch.save(saved.state_dict(), tmp_path / name)
+        fresh, _ = _trained(seed=1)
+        assert lite.load(tmp_path / name, {"model": fresh}) == {}
+        _same(fresh.state_dict(), model.state_dict(), name)
+    holder = _Holder()
+    torch.save(holder.state_dict(), tmp_path / "H")  # keys "module.weight", "module.bias": its own
+    torch.manual_seed(1)
+    fresh = _Holder()
+    lite.load(tmp_path / "H", {"model": fresh})
+    _same(fresh.state_dict(), holder.state_dict(), "a submodule called module")
+
+
+def test_a_plain_state_dict_file_is_refused_where_it_cannot_be_told_and_each_fix_works(tmp_path):
+    model, _ = _trained()
+    path = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), path)
+
+    fresh, opt = _trained(seed=1)
+    with pytest.raises(KeyError, match=r"nothing for \['opt'\]") as refused:
+        lite.load(path, {"model": fresh, "opt": opt})
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})  # noqa: S307 - the line the error suggests
+    _same(fresh.state_dict(), model.state_dict(), "the model loaded alone")
+    fresh, opt = _trained(seed=1)
+    moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+    assert "strict=False" in str(refused.value)
+    assert lite.load(path, {"model": fresh, "opt": opt}, strict=False) == {}  # the other fix
+    _same(fresh.state_dict(), model.state_dict(), "the model loaded with strict=False")
+    _same({k: v["exp_avg"] for k, v in opt.state_dict()["state"].items()}, moments, "the optimizer untouched")
+
+    gen, _ = _trained(seed=1)
+    disc = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="holds 2 modules") as refused:
+        lite.load(path, {"gen": gen, "disc": disc})
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "gen": gen})  # noqa: S307
+    _same(gen.state_dict(), model.state_dict(), "the module the fix names")
+
+    with pytest.raises(KeyError, match=r"not the entries \['step'\]") as refused:
+        lite.load(path, {"step": 0})
+    fresh, _ = _trained(seed=1)
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})  # noqa: S307
+    _same(fresh.state_dict(), model.state_dict(), "the model the fix names")
+    assert sorted(lite.load(path, {"step": 0}, strict=False)) == sorted(model.state_dict())  # as from any file
+
+    with pytest.raises(lite.CheckpointError, match="another module's state dict"):
+        lite.load(path, {"model": torch.nn.Linear(2, 2)})
+
+
+def test_entries_a_plain_torch_script_named_its_own_way_are_suggested_under_their_names(tmp_path):
+    """PyTorch's tutorial saves ``model_state_dict`` and ``optimizer_state_dict``: loading it
+    into ``{"model": ..., "optimizer": ...}`` names the line that loads it, which works
+    (``strict=False`` would restore nothing of the model)."""
+    model, opt = _trained()
+    path = tmp_path / "tutorial.pt"
+    torch.save({"epoch": 3, "model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "loss": 0.5}, path)
+    fresh, fresh_opt = _trained(seed=1)
+    with pytest.raises(KeyError, match="under the checkpoint's names") as refused:
+        lite.load(path, {"model": fresh, "optimizer": fresh_opt, "step": 0})
+    suggested = re.search(r"lite\.load\(path, \{.*?\}\)", str(refused.value)).group(0)
+    rest = eval(suggested, {"lite": lite, "path": path, "model": fresh, "optimizer": fresh_opt})  # noqa: S307
+    assert rest == {"epoch": 3, "loss": 0.5}
+    _same(fresh.state_dict(), model.state_dict(), "the model")
+    _same(
+        {str(k): v["exp_avg"] for k, v in fresh_opt.state_dict()["state"].items()},
+        {str(k): v["exp_avg"] for k, v in opt.state_dict()["state"].items()},
+        "the optimizer's moments",
+    )
+    with pytest.raises(KeyError, match=r"strict=False to restore the entries both have and leave \['step'\]"):
+        lite.load(path, {"step": 0})

@@ -13,6 +13,11 @@ one more for ddp and fsdp to load what was saved after them, one process running
 deepspeed_stage_2 (which saves a ZeRO-2 checkpoint too), fsdp and deepspeed_stage_3 on one
 device one after another, and fsdp on 3 ranks. A model of eight 4 MB parameters checks that
 loading a sharded checkpoint never needs the whole model.
+
+The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain torch wrote
+(issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
+a model's and an AdamW's state dicts and an epoch, each compared with the plain-torch model;
+and every 2-rank launch tries ``lite.save`` / ``lite.load`` with a path that differs by rank.
 """
 
 from __future__ import annotations
@@ -39,27 +44,34 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.deepspeed_op]
 SAVED = {"S": ("single", 1), "D": ("ddp", 2), "F": ("fsdp", 2), "Z": ("deepspeed_stage_3", 2), "Z2": ("deepspeed_stage_2", 1)}
 MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
 ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2"]
+# files plain torch wrote (the fixture writes them): a bare state dict, the same from a
+# DataParallel / DDP model (every key "module."-prefixed), and a dict of such a model's and
+# an AdamW's state dicts and an epoch
+PLAIN = ["plain:P", "plain:PD", "plain:PN"]
 LAUNCHES = [  # in order: each loads what the launches before it saved
-    [["single", 1, ["save:S", "load:S"]]],
-    [["ddp", 2, ["save:D", "load:S", "load:D"]]],
-    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB"]]],
-    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB"]]],
+    [["single", 1, ["save:S", "load:S", *PLAIN]]],
+    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp"]]],
+    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp"]]],
+    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3"]]],
     [["ddp", 2, ["load:F", "load:Z"]]],
     [["fsdp", 2, ["load:Z", "bigload:ZB", "bigload:FB"]]],
     [  # one process, four launches one after another
         ["single", 1, ["load:D", "load:F", "load:Z"]],  # first: DeepSpeed not imported yet
-        ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2"]],
+        ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2", *PLAIN]],
         ["fsdp", 1, ALL],
         ["deepspeed_stage_3", 1, ALL],
     ],
     [["fsdp", 3, ALL[:4]]],
+    [["deepspeed_stage_1", 2, [*PLAIN, "paths:ds1"]]],
 ]
+PATHS = {"ddp": "ddp", "fsdp": "fsdp", "deepspeed_stage_3": "ds3", "deepspeed_stage_1": "ds1"}
 
 
 @pytest.fixture(scope="module")
 def moves(tmp_path_factory):
     """Every launch's results: {(strategy, world size): {job: result}}, and the folder."""
     folder = tmp_path_factory.mktemp("moves")
+    _write_plain_files(folder)
     results: dict[tuple[str, int], dict[str, dict]] = {}
     for launch in LAUNCHES:
         result = run_warm(SCRIPTS / "checkpoint_moves.py", folder, json.dumps(launch), tmp_path=folder, timeout=240, cwd=folder)
@@ -69,31 +81,48 @@ def moves(tmp_path_factory):
     return results, folder
 
 
-def reference(phases: list[tuple[int, int]]) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def reference(phases: list[tuple[int, int]], fresh_optimizer: bool = False) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Plain torch, one process: for each ``(world_size, epoch)`` one epoch of steps whose
     gradient is that of the mean over ranks of each rank's mean loss. Returns each phase's
-    losses and the final state dict."""
+    losses and the final state dict. ``fresh_optimizer``: each phase with a new AdamW."""
     model = make_net(0)
     opt = make_optimizer(model)
-    data = make_data()
-    x, y = data.tensors
     out = []
     for world_size, epoch in phases:
-        batches = []
-        for rank in range(world_size):
-            s = sampler(data, world_size, rank)
-            s.set_epoch(epoch)
-            order = list(s)
-            batches.append([order[i : i + BATCH] for i in range(0, len(order), BATCH)])
-        losses = []
-        for step in range(len(batches[0])):
-            loss = sum(torch.nn.functional.mse_loss(model(x[b[step]]), y[b[step]]) for b in batches) / world_size
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        out.append(losses)
+        opt = make_optimizer(model) if fresh_optimizer else opt
+        out.append(_epoch(model, opt, world_size, epoch))
     return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, world_size: int, epoch: int) -> list[float]:
+    data = make_data()
+    x, y = data.tensors
+    batches = []
+    for rank in range(world_size):
+        s = sampler(data, world_size, rank)
+        s.set_epoch(epoch)
+        order = list(s)
+        batches.append([order[i : i + BATCH] for i in range(0, len(order), BATCH)])
+    losses = []
+    for step in range(len(batches[0])):
+        loss = sum(torch.nn.functional.mse_loss(model(x[b[step]]), y[b[step]]) for b in batches) / world_size
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _write_plain_files(folder) -> None:
+    """What plain torch scripts save after epoch 0 on one process (see PLAIN)."""
+    model = make_net(0)
+    opt = make_optimizer(model)
+    _epoch(model, opt, 1, 0)
+    torch.save(model.state_dict(), folder / "P")
+    wrapped = torch.nn.DataParallel(model)  # on CPU a pass-through; its keys are DDP's: "module.a.weight"
+    assert all(k.startswith("module.") for k in wrapped.state_dict())
+    torch.save(wrapped.state_dict(), folder / "PD")
+    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, folder / "PN")
 
 
 def _close(got: list[float], expected: list[float]) -> float:
@@ -180,3 +209,45 @@ def test_loading_a_sharded_checkpoint_never_needs_the_whole_model(moves, loader,
         print(f"{loader} <- {checkpoint}: {needed / 2**20:.1f} MB needed beyond what the run keeps")
         assert abs(kept - 32 * 2**20) < 2**10  # each rank's half of the two moments (and step counts)
         assert needed < 16 * 2**20, f"{needed / 2**20:.1f} MB needed beyond what the run keeps"
+
+
+@pytest.mark.parametrize("loader", [*MATRIX, "deepspeed_stage_2", "deepspeed_stage_1"])
+def test_a_plain_torch_state_dict_file_loads_into_the_model_under_every_strategy(moves, loader):
+    """``torch.save(model.state_dict())`` (bare, or with DDP's ``module.`` prefix) into
+    ``{"model": model}``; a plain torch dict of the model's and AdamW's state dicts and an
+    epoch into ``{"model": model, "optimizer": opt}``: the parameters right after loading are
+    the plain model's, and a pass continues as plain torch does (with a fresh optimizer for a
+    bare state dict; the set-up loader starts at its epoch 0)."""
+    results, _ = moves
+    world_size = {"deepspeed_stage_2": 1, "deepspeed_stage_1": 2}.get(loader, MATRIX.get(loader))
+    (saved,), params = reference([(1, 0)])
+    for name in ("P", "PD", "PN"):
+        result = results[(loader, world_size)][f"plain:{name}"]
+        assert sorted(result["loaded"]) == sorted(params), (loader, name)
+        for key, value in params.items():
+            assert torch.allclose(torch.tensor(result["loaded"][key]), value.flatten(), rtol=1e-6, atol=1e-7), (loader, name, key)
+        (_, then), _ = reference([(1, 0), (world_size, 0)], fresh_optimizer=name != "PN")
+        assert _close(result["losses"], then) < 1e-6, (loader, name, result["losses"], then)
+        assert result["rest"] == ({"epoch": 3} if name == "PN" else {}), (loader, name)
+
+
+@pytest.mark.parametrize("loader", list(PATHS))
+def test_a_path_that_differs_between_ranks_is_refused_on_every_rank(moves, loader):
+    """Each rank's own folder (``tempfile.mkdtemp()`` at the top of the script): save and
+    load raise on every rank, naming each rank's path, before anything is written; the fix
+    the error names (``lite.broadcast(path)``) saves and loads, and the same path written
+    relative on one rank and absolute on the other is the same path."""
+    results, folder = moves
+    name = PATHS[loader]
+    result = results[(loader, 2)][f"paths:{name}"]
+    ranks = [f"rank {r}: {str(folder / f'{name}-rank{r}' / 'ckpt')!r}" for r in range(2)]
+    assert len(result["errors"]) == 2
+    for rank, errors in enumerate(result["errors"]):
+        for call in ("save", "load"):
+            message = errors[call]
+            assert message is not None, f"{loader}: rank {rank}'s lite.{call} accepted a path that differs between ranks"
+            assert message.startswith(f"lite.{call}: the path differs between ranks"), message
+            assert all(r in message for r in ranks) and "path = lite.broadcast(path)" in message, message
+    assert result["written"] == []  # refused before anything was written, on any rank
+    assert result["fixed"] == [f"{name}-rank0"]
+    assert result["rest"] == {}

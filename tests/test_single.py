@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -194,6 +195,41 @@ def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60)
     assert proc.returncode == -9
+    assert lite.load(path)["version"] == 1
+
+
+def test_ctrl_c_in_the_middle_of_a_save_shows_the_interrupt_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real SIGINT to the process while it writes 200 MB (sent by a thread once the
+    temporary file holds 1 MB): torch's zip writer would turn the KeyboardInterrupt raised in
+    its write into ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``."""
+    path = tmp_path / "ckpt.pt"
+    code = textwrap.dedent(
+        f"""
+        import os, signal, threading, time, torch, scopedlite as lite
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (CI may ignore SIGINT)
+        folder = {str(tmp_path)!r}
+        lite.save(os.path.join(folder, "ckpt.pt"), {{"version": 1, "w": torch.zeros(10)}})
+
+        def interrupt():
+            while True:
+                partial = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".tmp")]
+                if partial and os.path.getsize(partial[0]) >= 2**20:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+                time.sleep(0.001)
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        lite.save(os.path.join(folder, "ckpt.pt"), {{"version": 2, "w": torch.empty(50_000_000)}})
+        print("the save finished before the interrupt")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "the save finished" not in proc.stdout, "the interrupt came too late to test anything"
+    assert proc.returncode != 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "KeyboardInterrupt", proc.stderr
+    assert "inline_container" not in proc.stderr and "write_atomically" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary file left
     assert lite.load(path)["version"] == 1
 
 

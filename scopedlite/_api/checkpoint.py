@@ -26,11 +26,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from scopedlite._api.checkpoint_path import check_same_path
 from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
 from scopedlite._api.dataloader import DeviceDataLoader
 from scopedlite._api.join import in_join
-from scopedlite._io.canonical import OBJECT, Checkpoint
+from scopedlite._api.missing_entries import missing_entries
+from scopedlite._api.state_dict_file import as_entries
+from scopedlite._io.canonical import OBJECT, Checkpoint, without_wrapper_prefix
 from scopedlite._io.files import CheckpointError, state_dicts, write_atomically
 from scopedlite._io.reader import open_checkpoint
 from scopedlite._strategies.abilities import SupportsCheckpoint, SupportsNativeLoad
@@ -42,11 +45,13 @@ __all__ = ["CheckpointError", "load", "save"]
 def save(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
     """Save ``state`` to ``path``: modules and optimizers as state dicts, the rest as is.
 
-    Every rank calls it; rank 0 writes; all ranks return once the file is complete. A loader
-    from ``lite.setup_dataloader`` is saved as every rank's position and random states.
+    Every rank calls it, with the same ``path`` (refused at once on every rank otherwise);
+    rank 0 writes; all ranks return once the file is complete. A loader from
+    ``lite.setup_dataloader`` is saved as every rank's position and random states.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict such as {{'model': model, 'opt': opt}}, got {type(state).__name__}.")
+    check_same_path(path, "lite.save")
     state = {key: _loader_entry(key, value) for key, value in state.items()}
     run = current()
     strategy = run.strategy
@@ -74,6 +79,8 @@ def load(
     ``state``: its next pass continues the saved one from the first batch not yet seen, and
     the random states of torch, numpy and Python are those of the save (each rank its own).
 
+    Every rank calls it, with the same ``path`` (refused at once on every rank otherwise).
+
     Args:
         path: The checkpoint: a file, or the folder fsdp (sharded) or deepspeed wrote.
         state: What to restore, e.g. ``{"model": model, "opt": opt, "step": 0}``. None
@@ -87,6 +94,7 @@ def load(
         What the checkpoint held that ``state`` did not ask for (from a folder: its plain
         entries; models and optimizers are read only into ``state``).
     """
+    check_same_path(path, "lite.load")
     loaders = {k: v for k, v in (state or {}).items() if isinstance(v, DeviceDataLoader)}
     if state is not None and loaders:
         work = {k: (None if k in loaders else v) for k, v in state.items()}
@@ -129,8 +137,9 @@ def _load(
     with open_checkpoint(path, weights_only) as checkpoint:
         if state is None:
             return checkpoint.whole()
-        native = strategy.load_native(checkpoint, state, strict) if isinstance(strategy, SupportsNativeLoad) else []
-        return _restore(strategy, checkpoint, state, strict, native)
+        entries = as_entries(checkpoint, state, strict)
+        native = strategy.load_native(entries, state, strict) if isinstance(strategy, SupportsNativeLoad) else []
+        return _restore(strategy, entries, state, strict, native)
 
 
 def _restore(
@@ -143,16 +152,14 @@ def _restore(
     the keys the strategy already restored its own way."""
     missing = [k for k in state if k not in checkpoint and k not in loaded]
     if missing and strict:
-        raise KeyError(
-            f"{checkpoint.path} has no entry {missing}; it holds {list(checkpoint.kinds)}. Pass "
-            "strict=False to restore only what is there."
-        )
+        raise KeyError(missing_entries(checkpoint, state, missing))
     modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
     for key, target in state.items():
         if key not in checkpoint or key in loaded:
             continue
         if isinstance(target, torch.nn.Module):
-            strategy.load_module_from(target, checkpoint.module(key), strict)
+            tensors = without_wrapper_prefix(checkpoint.module(key), lambda m=target: m.state_dict(keep_vars=True))
+            strategy.load_module_from(target, tensors, strict)
         elif isinstance(target, torch.optim.Optimizer):
             strategy.load_optimizer_from(target, checkpoint.optimizer(key), modules)
         else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ __all__ = [
     "kinds_of",
     "positional_optimizer_state",
     "read_flat",
+    "without_wrapper_prefix",
 ]
 
 MODULE, OPTIMIZER, OBJECT = "module", "optimizer", "object"
@@ -186,12 +187,36 @@ class OptimizerEntry:
 
 
 class _Renamed(Tensors):
-    def __init__(self, inner: Tensors, keys: dict[Hashable, Hashable]) -> None:
-        super().__init__({new: inner.info[old] for new, old in keys.items()})
+    def __init__(self, inner: Tensors, keys: dict[Hashable, Hashable], extras: dict[str, Any] | None = None) -> None:
+        super().__init__({new: inner.info[old] for new, old in keys.items()}, extras)
         self._inner, self._keys = inner, keys
 
     def read_many(self, parts: Sequence[tuple[Hashable, Box | None]]) -> list[torch.Tensor]:
         return self._inner.read_many([(self._keys[key], box) for key, box in parts])
+
+
+# What torch's wrappers put before the keys of the module they wrap: DistributedDataParallel
+# and DataParallel (``module.``), ``torch.compile`` (``_orig_mod.``).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def without_wrapper_prefix(tensors: Tensors, module_keys: Callable[[], Collection[str]]) -> Tensors:
+    """A module entry saved from a wrapped model, its keys without the wrapper's prefix.
+
+    ``torch.save(ddp_model.state_dict())`` in a plain torch script keeps DDP's ``module.``
+    before every key, a compiled model's state dict ``_orig_mod.``. As torch's
+    ``consume_prefix_in_state_dict_if_present`` does, the prefix is taken off, here only when
+    every key has it and none of the keys of the module it loads into (``module_keys``,
+    called only then) does: a model whose own submodule is called ``module`` keeps its keys.
+    """
+    while True:
+        keys = [*tensors.info, *tensors.extras]
+        prefix = next((p for p in WRAPPER_PREFIXES if keys and all(str(k).startswith(p) for k in keys)), None)
+        if prefix is None or any(k.startswith(prefix) for k in module_keys()):
+            return tensors
+        cut = len(prefix)
+        renamed = {str(k)[cut:]: k for k in tensors.info}
+        tensors = _Renamed(tensors, renamed, {k[cut:]: v for k, v in tensors.extras.items()})  # type: ignore[arg-type]
 
 
 def positional_optimizer_state(entry: OptimizerEntry) -> dict[str, Any]:

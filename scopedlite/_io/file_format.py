@@ -50,6 +50,20 @@ class FileCheckpoint(Checkpoint):
         super().__init__(path, {key: kind_of(value) for key, value in content.items()})
         self.content = content
 
+    @property
+    def is_state_dict(self) -> bool:
+        """The file is one module's state dict (``torch.save(model.state_dict())``, the most
+        common checkpoint there is) rather than a dict of entries: every value a tensor (or
+        a module's extra state)."""
+        return bool(self.content) and all(
+            isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state"))
+            for k, v in self.content.items()
+        )
+
+    def as_entry(self, key: str) -> FileCheckpoint:
+        """This file as a checkpoint whose entry ``key`` is the whole file (a state dict)."""
+        return FileCheckpoint(self.path, {key: self.content})
+
     def object(self, key: str) -> Any:
         return self.content[key]
 

@@ -12,11 +12,11 @@ import pickle
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["CheckpointError", "read", "state_dicts", "swap_folder_into_place", "write_atomically"]
+__all__ = ["CheckpointError", "read", "save_unmasked", "state_dicts", "swap_folder_into_place", "write_atomically"]
 
 
 class CheckpointError(RuntimeError):
@@ -44,7 +44,7 @@ def write_atomically(path: Path, obj: Any) -> None:
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         with open(tmp, "xb") as f:
-            torch.save(obj, f)
+            save_unmasked(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -56,6 +56,44 @@ def write_atomically(path: Path, obj: Any) -> None:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def save_unmasked(obj: Any, file: BinaryIO) -> None:
+    """``torch.save(obj, file)``, raising what went wrong rather than what it caused.
+
+    When a write to ``file`` raises (Ctrl-C arriving in the middle of a large write, a full
+    disk), torch's zip writer is left in the middle of a record, and the end-of-file step its
+    ``with`` block runs on the way out raises ``RuntimeError: [enforce fail at
+    inline_container.cc] ... unexpected pos``, which is all the user would see. The first
+    exception of a write is raised instead (a KeyboardInterrupt stays one).
+    """
+    writes = _Writes(file)
+    try:
+        torch.save(obj, writes)
+    except Exception as e:
+        # An interrupt can also arrive as our write is entered, before it records anything.
+        cause = writes.error or (e.__context__ if isinstance(e.__context__, KeyboardInterrupt) else None)
+        if cause is None or cause is e:
+            raise
+        raise cause from None
+
+
+class _Writes:
+    """The file ``torch.save`` writes to, remembering the first exception a write raised."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def read(path: str | os.PathLike[str], weights_only: bool, mmap: bool = False) -> Any:

@@ -7,7 +7,12 @@ another in this process (several only on one process). Jobs, each with fresh obj
   ``folder/NAME``;
 - ``load:NAME``: build from seed 1 (other values), load ``folder/NAME``, train epoch 1;
 - ``bigsave:NAME``: a model of eight 4 MB parameters, one AdamW step, saved;
-- ``bigload:NAME``: the same model set up fresh; its peak memory while ``lite.load`` reads.
+- ``bigload:NAME``: the same model set up fresh; its peak memory while ``lite.load`` reads;
+- ``plain:NAME``: build from seed 1, load ``folder/NAME``, a file plain torch wrote (a bare
+  ``model.state_dict()``, or a dict of a model's and an optimizer's state dicts and an
+  epoch), train one pass;
+- ``paths:NAME``: ``lite.save`` and ``lite.load`` with a path that differs by rank (each rank's
+  error and what was written), then the fix the error names.
 
 Rank 0 writes, per launch and job: the global mean loss of each step, the step count and note
 loaded, what load returned, the final parameters; for ``bigload`` every rank's memory.
@@ -123,7 +128,45 @@ def big_load(name):
     return {"ranks": lite.all_gather(numbers).tolist()}
 
 
-JOBS = {"save": save, "load": load, "bigsave": big_save, "bigload": big_load}
+def plain(name):
+    """A plain torch file into the set-up model (and optimizer, when the file has one)."""
+    model, opt, loader = setup(seed=1)
+    path = os.path.join(folder, name)
+    nested = "optimizer" in torch.load(path, weights_only=True)
+    rest = lite.load(path, {"model": model, "optimizer": opt} if nested else {"model": model})
+    loaded = {k: full(v).detach().flatten().tolist() for k, v in model.state_dict().items()}
+    losses = train_epoch(model, opt, loader)
+    return {"loaded": loaded, "rest": rest, "losses": losses}
+
+
+def paths(name):
+    """Each rank's own folder, as ``tempfile.mkdtemp()`` at the top of a script gives."""
+    run = lite.current()
+    model, opt, _ = setup(seed=0)
+    state = {"model": model, "opt": opt}
+    mine = os.path.join(folder, f"{name}-rank{run.global_rank}", "ckpt")
+    errors = {}
+    for what, call in (("save", lite.save), ("load", lite.load)):
+        try:
+            call(mine, state)
+            errors[what] = None
+        except ValueError as e:
+            errors[what] = str(e)
+    written = sorted(n for n in os.listdir(folder) if n.startswith(f"{name}-"))
+    lite.barrier()
+    shared = lite.broadcast(mine)  # the fix the error names
+    lite.save(shared, state)
+    # the same path written another way on rank 1 (relative: the script runs in the folder)
+    rest = lite.load(shared if run.global_rank == 0 else os.path.relpath(shared), state)
+    return {
+        "errors": [lite.broadcast(errors, src=rank) for rank in range(run.world_size)],
+        "written": written,
+        "fixed": sorted(n for n in os.listdir(folder) if n.startswith(f"{name}-")),
+        "rest": rest,
+    }
+
+
+JOBS = {"save": save, "load": load, "bigsave": big_save, "bigload": big_load, "plain": plain, "paths": paths}
 
 results = []
 for strategy, devices, jobs in launches:
