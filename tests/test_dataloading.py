@@ -120,6 +120,18 @@ def test_an_epoch_the_script_sets_on_its_own_sampler_wins(ranks):
             assert one["idx"] == reference(world, rank, 20 + p, True, 5), (p, rank)
 
 
+@pytest.mark.parametrize(("case", "seed"), [("users", 5), ("users_via_loader", 5), ("ours", 0), ("ours_early", 0)])
+def test_the_ddp_tutorials_peek_then_set_epoch_reads_torchs_order(ranks, case, seed):
+    """pytorch/examples' DDP tutorial peeks at a batch, then sets the epoch each epoch: every
+    pass reads what torch's DistributedSampler gives, and the epoch set last holds."""
+    world = len(ranks)
+    for rank, r in enumerate(ranks):
+        got = r["tutorial"][case]
+        assert got["peek"] == distributed_order(world, rank, 0, True, seed)[:2], (case, rank)
+        expected = [distributed_order(world, rank, epoch, True, seed) for epoch in (0, 1, 2, 2)]
+        assert got["passes"] == expected, (case, rank)
+
+
 def test_set_epoch_reaches_the_users_sampler(ranks):
     world = len(ranks)
     for p in range(4):

@@ -143,6 +143,31 @@ with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60)
     resumed = DistributedSampler(Indexed(), shuffle=True, seed=5)
     record["resumed"] = read(lambda: DataLoader(Indexed(), batch_size=2, sampler=resumed), before=lambda p: resumed.set_epoch(20 + p))
 
+    # pytorch/examples' DDP tutorial: one batch peeked at (next(iter(loader))), then
+    # sampler.set_epoch(epoch) each epoch, on the user's sampler or on ours (loader.sampler)
+    def tutorial(make, sampler_of, early):
+        loader = lite.setup_dataloader(make())
+        if early:  # set_epoch before the peek too
+            sampler_of(loader).set_epoch(0)
+        peek = flat(next(iter(loader)))
+        passes = []
+        for epoch in range(3):
+            sampler_of(loader).set_epoch(epoch)
+            passes.append(one_pass(loader)["idx"])
+        passes.append(one_pass(loader)["idx"])  # no call: the epoch set last holds
+        return {"peek": peek, "passes": passes}
+
+    users = DistributedSampler(Indexed(), shuffle=True, seed=5)
+    own = lambda: DataLoader(Indexed(), batch_size=2, sampler=users)  # noqa: E731
+    fresh = lambda: DataLoader(Indexed(), batch_size=2, sampler=DistributedSampler(Indexed(), shuffle=True, seed=5))  # noqa: E731
+    shuffled = lambda: DataLoader(Indexed(), batch_size=2, shuffle=True)  # noqa: E731
+    record["tutorial"] = {
+        "users": tutorial(own, lambda loader: users, early=False),
+        "users_via_loader": tutorial(fresh, lambda loader: loader.sampler, early=True),
+        "ours": tutorial(shuffled, lambda loader: loader.sampler, early=False),
+        "ours_early": tutorial(shuffled, lambda loader: loader.sampler, early=True),
+    }
+
     try:
         lite.setup_dataloader(DataLoader(Indexed(), sampler=Endless()))
         record["endless"] = "no error"
