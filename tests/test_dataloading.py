@@ -27,6 +27,7 @@ from torch.utils.data import (
 import scopedlite as lite
 from scopedlite import ShardedBatchSampler, ShardedSampler
 from scopedlite._api.seed import SeedWorker, seeded_generators
+from scopedlite._private.torch_internals import held_by_python_only
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -279,3 +280,12 @@ def test_worker_init_composes_with_the_users_and_pickles():
         assert draw(3) == draw(3)  # deterministic per (base seed, worker, rank)
         assert len({draw(3), draw(4), draw(3, worker=2), draw(3, base=42)}) == 4
     assert called == [1, 1, 1, 1, 2, 1]
+
+
+def test_a_tensor_counts_as_held_by_python_only_while_nothing_else_holds_it():
+    tensor = torch.ones(3)
+    assert held_by_python_only(tensor)
+    view = tensor[:2]  # a view holds its base, as a collective in flight holds its tensors
+    assert not held_by_python_only(tensor)
+    del view
+    assert held_by_python_only(tensor)
