@@ -60,5 +60,13 @@ def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
     assert out["norm_1"] == pytest.approx(grads.abs().sum().item(), rel=1e-5)
     assert out["dtype"] == "torch.bfloat16"
     assert out["restored"] and out["restored_all"] == 1 and out["rest"] == {"step": 1}
+    for rank, error in enumerate(out["unused_errors"]):  # on every rank, in its second forward
+        assert error is not None, f"rank {rank} raised nothing"
+        message = error["message"]
+        # torch's indices 4 5 (the frozen layer is not counted), as names in the user's module
+        assert f"parameters unused.weight, unused.bias received no gradient in the last backward on rank {rank}" in message
+        assert "`lite.launch(strategy=lite.DDPStrategy(find_unused_parameters=True), ...)`" in message
+        assert "`model.unused.requires_grad_(False)`" in message
+        assert f"Parameter indices which did not receive grad for rank {rank}: 4 5" in error["cause"]
     first, second = out["stamps"]
     assert second["enter"] >= first["leave"] - 0.05  # rank 1 entered after rank 0 left

@@ -179,12 +179,14 @@ def test_each_loader_counts_its_own_passes_and_the_scripts_epoch_wins():
             sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True)
             resumed = lite.setup_dataloader(DataLoader(range(8), sampler=sampler))
             got = []
-            for epoch in (5, 6, None):  # resumed at 5, as a torchrun script does; then counted
+            for epoch in (5, 6, None):  # resumed at 5, as a torchrun script does; then held
                 if epoch is not None:
                     sampler.set_epoch(epoch)
                 got.append([int(i) for i in resumed])
+            resumed.set_epoch(1)  # the loader's own: the next pass, then counted again
+            got += [[int(i) for i in resumed] for _ in range(2)]
         assert first.epochs == [0, 1, 2, 10] and later.epochs == [0, 1]  # through batch_sampler.sampler
-        assert got == [torch_order(8, 1, 0, e, 0) for e in (5, 6, 7)]
+        assert got == [torch_order(8, 1, 0, e, 0) for e in (5, 6, 6, 1, 2)]
 
     _isolated(run)
 

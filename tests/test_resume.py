@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 from conftest import SCRIPTS, _env
-from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 import scopedlite as lite
 from scopedlite import ShardedSampler
@@ -260,6 +260,30 @@ def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(
     assert resumed == expected
     assert torch.equal(torch.rand(3), later)  # the next pass drew what the uninterrupted one drew
     assert sorted(itertools.chain(*seen, *resumed[:2])) == [float(i) for i in range(10)]  # the pass: each once
+
+
+@pytest.mark.parametrize("mid_pass", [False, True], ids=["between_passes", "mid_pass"])
+def test_an_epoch_the_script_set_still_holds_after_a_load(tmp_path, mid_pass):
+    def made():
+        sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True, seed=3)
+        return sampler, lite.setup_dataloader(DataLoader(range(8), batch_size=2, sampler=sampler))
+
+    def order(epoch):  # torch's own, computed here
+        sampler = DistributedSampler(range(8), num_replicas=1, rank=0, shuffle=True, seed=3)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    sampler, loader = made()
+    sampler.set_epoch(4)  # once: torch reads epoch 4 in every pass after it
+    list(loader)
+    batches = iter(loader)
+    if mid_pass:
+        next(batches)
+    lite.save(tmp_path / "c.pt", {"loader": loader})
+    _, restarted = made()
+    lite.load(tmp_path / "c.pt", {"loader": restarted})
+    got = [[int(i) for batch in restarted for i in batch] for _ in range(2)]  # no set_epoch after the load
+    assert got == [order(4)[2:] if mid_pass else order(4), order(4)]
 
 
 def test_a_loader_over_an_iterable_dataset_is_refused_mid_pass_at_save(tmp_path):

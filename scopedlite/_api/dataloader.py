@@ -59,8 +59,10 @@ class DeviceDataLoader:
         self.cursor = ResumeCursor(loader, self._epochs)
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the next pass (it then advances by one per pass)."""
-        self._epochs.next = epoch
+        """Set the epoch of the next pass (it then advances by one per pass, as in HF
+        Accelerate). ``loader.sampler.set_epoch(epoch)`` instead holds the epoch for every
+        pass until the next call, as torch's ``DistributedSampler`` does."""
+        self._epochs.choose_next(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         loader = self.cursor.begin_pass(self._epochs.begin())
@@ -173,7 +175,8 @@ def setup_dataloader(
     called), agreed here once. Each loader counts its own passes: its n-th pass is epoch n,
     handed to every sampler with ``set_epoch``, as torch's recipe and Fabric do; a loader
     rebuilt over the same dataset continues the last one's count unless ``seed_everything``
-    came in between (see ``epochs``). Workers are seeded per (base seed, worker, rank). The
+    came in between; an epoch the script sets on one of the loader's samplers holds for every
+    pass until it sets another, as in torch (see ``epochs``). Workers are seeded per (base seed, worker, rank). The
     shares go to the data-parallel ranks (``lite.current().data_parallel_rank`` of
     ``data_parallel_size``): one per process, except under ``model_parallel``, where the
     tensor-parallel ranks of one replica get the same batches (and the same worker seeds).

@@ -14,9 +14,14 @@ Two rules on top, both following only the program's own calls, so every rank agr
   same order, as in Fabric. Nothing crosses from one launch block to another, nor from one
   use of the default run (the stretch between two launch blocks) to the next.
 
-An epoch the script sets itself wins for that pass (``sampler.set_epoch(epoch)`` on its own
-``DistributedSampler`` as a torchrun script does, or ``loader.set_epoch(epoch)``); the count
-goes on from it.
+An epoch the script sets on one of the loader's samplers holds, as it does in torch: once
+``sampler.set_epoch(n)`` is called (on its own ``DistributedSampler``, as a torchrun script does,
+or on ours, ``loader.sampler``), every pass reads epoch n until the next call. torch's tutorial
+peeks at a batch (``next(iter(loader))``) before its epoch loop calls ``set_epoch(0)``: the
+peek is pass 0 of the count, and the loop's epoch 0 must still read epoch 0, not 1. A call is
+told from the loader's own hand-over by identity: the loader hands each epoch as a
+:class:`_Handed` int, so a call of the script's stores another object, even for the same
+number. ``loader.set_epoch(n)`` instead sets the next pass, from which the count goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import contextvars
 import weakref
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
 from scopedlite._api.seed import Seeding, current_seeding
@@ -141,6 +146,27 @@ def epoch_holders(loader: DataLoader) -> list[Any]:  # type: ignore[type-arg]
     return holders
 
 
+class _Handed(int):
+    """An epoch as a loader hands it to its samplers: the number itself, but an object of its
+    own, so that a later ``set_epoch`` of the script's, which stores another object (small ints
+    are shared, so the same number would not do), is told from the loader's."""
+
+
+# samplers whose ``epoch`` is only what ``set_epoch`` stored, so restamping it changes nothing
+_PLAIN_EPOCH = (DistributedSampler, ShardedSampler, ShardedBatchSampler)
+
+
+def _stamp(holders: list[Any]) -> None:
+    """Give the samplers that keep their epoch plainly a :class:`_Handed` copy of it, so a
+    call of the script's that stores the same number still shows (a fresh sampler holds
+    Python's shared ``0``). Others' ``set_epoch`` may do more than store it, and is not called
+    outside a pass."""
+    for holder in holders:
+        epoch = getattr(holder, "epoch", None)
+        if type(holder) in _PLAIN_EPOCH and isinstance(epoch, int) and not isinstance(epoch, _Handed):
+            holder.epoch = _Handed(epoch)
+
+
 def hand_epoch(epoch: int, holders: list[Any]) -> None:
     """``set_epoch(epoch)`` once on each of ``holders``: on ours, which pass it on to the
     samplers they wrap, and on the others that none of ours wraps."""
@@ -154,7 +180,12 @@ def hand_epoch(epoch: int, holders: list[Any]) -> None:
 
 
 class PassCount:
-    """One set-up loader's epochs: its passes are ``start``, ``start + 1``, ...
+    """One set-up loader's epochs: its passes are ``start``, ``start + 1``, ..., or the epoch
+    the script set on one of its samplers, for every pass until the script sets another.
+
+    Attributes:
+        next: The epoch of the next pass, unless one is held.
+        held: The epoch the script last set on a sampler of the loader, or None.
 
     Args:
         loader: The (sharded) loader whose samplers receive the epoch.
@@ -164,39 +195,52 @@ class PassCount:
 
     def __init__(self, loader: DataLoader, start: int, book: EpochBook) -> None:  # type: ignore[type-arg]
         self.next = start
+        self.held: int | None = None
         self.holders = epoch_holders(loader)
         self._dataset = loader.dataset
         self._book = book
-        self._seen = self._epochs()
+        self._seen = self._stamped()
 
     def begin(self) -> int:
         """Start a pass: hand its epoch to the samplers and return it."""
-        epoch = self._set_by_script()
-        if epoch is None:
-            epoch = self.next
-        hand_epoch(epoch, self.holders)
+        chosen = self._set_by_script()
+        if chosen is not None:
+            self.held = chosen
+        epoch = self.next if self.held is None else self.held
+        hand_epoch(_Handed(epoch), self.holders)
         self._seen = self._epochs()
         self.next = epoch + 1
         self._book.began(self._dataset, epoch)
         return epoch
 
-    def restore(self, epoch: int) -> None:
-        """The next pass is ``epoch`` (a loaded checkpoint); the samplers' epochs as they are
-        now are not the script's choice."""
-        self.next = epoch
-        self._seen = self._epochs()
+    def choose_next(self, epoch: int) -> None:
+        """The next pass is ``epoch`` and the count goes on from it (``loader.set_epoch``);
+        an epoch held since a sampler's ``set_epoch`` is let go."""
+        self.next, self.held = epoch, None
+
+    def restore(self, epoch: int, held: int | None = None) -> None:
+        """The next pass is ``epoch``, or ``held`` for every pass (a loaded checkpoint); the
+        samplers' epochs as they are now are not the script's choice."""
+        self.next, self.held = epoch, held
+        self._seen = self._stamped()
         if epoch > 0:
             self._book.began(self._dataset, epoch - 1)
 
     def _set_by_script(self) -> int | None:
-        """An epoch set on one of the loader's samplers since the last pass, if any: a
-        script ported from torchrun or Fabric calls ``sampler.set_epoch(epoch)`` itself,
-        possibly from a resumed epoch, and that value wins, as it would without us."""
+        """The epoch last set on one of the loader's samplers since the last pass, if any:
+        a script ported from torchrun or Fabric calls ``sampler.set_epoch(epoch)`` itself,
+        possibly from a resumed epoch, and that value holds, as it would without us. A
+        sampler of the user's whose ``set_epoch`` stores a converted number (not the object
+        given) shows a call only when the number changes."""
         for holder in self.holders:
             epoch = getattr(holder, "epoch", None)
-            if isinstance(epoch, int) and epoch != self._seen.get(id(holder)):
-                return epoch
+            if isinstance(epoch, int) and epoch is not self._seen.get(id(holder)):
+                return int(epoch)
         return None
+
+    def _stamped(self) -> dict[int, Any]:
+        _stamp(self.holders)
+        return self._epochs()
 
     def _epochs(self) -> dict[int, Any]:
         return {id(holder): getattr(holder, "epoch", None) for holder in self.holders}

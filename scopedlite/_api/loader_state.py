@@ -254,15 +254,17 @@ class ResumeCursor:
         ranks: list[dict[str, Any]] = entry["ranks"]
         mine = ranks[rank] if rank < len(ranks) else None
         self._iterated_before = bool(ranks[0]["iterated"])
+        held = ranks[0].get("held")  # an epoch the script set holds (absent before it was saved)
+        held = None if held is None else int(held)
         if not any(r["in_pass"] for r in ranks):  # saved between passes
-            self.epochs.restore(int(ranks[0]["epoch"]))
+            self.epochs.restore(int(ranks[0]["epoch"]), held)
             if mine is not None:
                 rng.restore(mine["rng"], self.loader.generator)
             return
         epoch = int(next(r["epoch"] for r in ranks if r["in_pass"]))
         self._pending = self._pending_pass(epoch, ranks, mine, world_size)
         self._pending_entry = entry
-        self.epochs.restore(epoch)
+        self.epochs.restore(epoch, held)
 
     def _pending_pass(
         self, epoch: int, ranks: list[dict[str, Any]], mine: dict[str, Any] | None, world_size: int
@@ -300,6 +302,7 @@ class ResumeCursor:
         return {
             "in_pass": self._in_pass,
             "epoch": self._pass_epoch if self._in_pass else self.epochs.next,
+            "held": self.epochs.held,
             "position": self._position,
             "taken": min(self._position * self._units_per_batch(), self._pass_share),
             "padded": self._pass_padded,

@@ -176,7 +176,9 @@ class ShardedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in each epoch (identically on all ranks); passed on to the
-        wrapped sampler if it has ``set_epoch`` too."""
+        wrapped sampler if it has ``set_epoch`` too. Called by the script on a set-up
+        loader's sampler (``loader.sampler.set_epoch(epoch)``), the epoch holds for every pass
+        until the next call, as ``DistributedSampler``'s does."""
         self.epoch = epoch
         forward_epoch(epoch, self.sampler)
 
@@ -214,7 +216,8 @@ class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in each epoch; passed on to the batch sampler and to the
-        sampler inside it, whichever have ``set_epoch``."""
+        sampler inside it, whichever have ``set_epoch``. Called by the script, the epoch
+        holds for every pass until the next call, as for :class:`ShardedSampler`."""
         self.epoch = epoch
         forward_epoch(epoch, self.batch_sampler, getattr(self.batch_sampler, "sampler", None))
 

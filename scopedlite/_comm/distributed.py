@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
+from scopedlite._comm.payloads import keep
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
 from scopedlite._private.torch_internals import forget_dtensor_shardings, live_process_groups, set_group_timeout
 
@@ -259,6 +260,7 @@ def all_reduce_tensor(tensor: torch.Tensor, op: str, device: torch.device, group
     original = tensor
     work = tensor.detach().to(device=device, dtype=wire_dtype(tensor.dtype, op), copy=True)
     dist.all_reduce(work, op=TORCH_OPS[op], group=group)
+    keep(work)  # freed here, not by gloo's thread (payloads.py)
     if op == "mean":
         work = work / dist.get_world_size(group)
     elif original.dtype == torch.bool and op in ("max", "min"):
@@ -271,6 +273,7 @@ def all_gather_tensor(tensor: torch.Tensor, device: torch.device, group: Any = N
     work = tensor.detach().to(device).contiguous()
     parts = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, work, group=group)
+    keep(work, *parts)
     return torch.stack(parts).to(tensor.device)
 
 
@@ -280,6 +283,7 @@ def gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -
     every call), ``all_gather_into_tensor`` on older torch."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, tensor, group=group)
+    keep(output, tensor)
 
 
 def final_gloo_barrier() -> bool:
@@ -327,11 +331,13 @@ def broadcast_any(obj: Any, src: int, device: torch.device, group: Any = None) -
             header[0], header[1], header[2] = _KIND_BYTES, DTYPES.index(torch.uint8), 1
             header[3] = payload.numel()
     dist.broadcast(header, src=src, group=group)
+    keep(header)
     kind, dtype, ndim = (int(v) for v in header[:3].tolist())
     shape = [int(v) for v in header[3 : 3 + ndim].tolist()]
     if payload is None:
         payload = torch.empty(shape, dtype=DTYPES[dtype], device=device)
     dist.broadcast(payload, src=src, group=group)
+    keep(payload)
     if kind == _KIND_TENSOR:
         return payload.clone() if dist.get_rank(group) == src else payload
     return from_bytes(payload)

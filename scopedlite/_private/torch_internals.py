@@ -22,6 +22,7 @@ __all__ = [
     "ddp_reducer_is_reducing",
     "default_store",
     "forget_dtensor_shardings",
+    "held_by_python_only",
     "fsdp_cast_forward_inputs",
     "fsdp_post_forward",
     "fsdp_pre_forward",
@@ -79,6 +80,18 @@ class OpInterceptor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return self.intercept(func, tuple(args), dict(kwargs or {}))
+
+
+def held_by_python_only(tensor: torch.Tensor) -> bool:
+    """Whether nothing but its Python object holds ``tensor`` (no collective keeps it).
+
+    Why private: gloo's worker thread keeps a collective's tensors a moment past the caller's
+    return, and a tensor Python drops before that is freed by that C++ thread, which takes the
+    GIL (see ``_comm/payloads.py``). No public API says when a c10d ``Work`` has let go of its
+    tensors; ``Tensor._use_count()`` is the reference count of the tensor's ``TensorImpl``,
+    1 when only the Python object holds it. Checked against torch 2.13.0.
+    """
+    return int(tensor._use_count()) <= 1
 
 
 def storage_key(tensor: torch.Tensor) -> int:

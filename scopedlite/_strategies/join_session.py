@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from scopedlite._comm.payloads import keep
 from scopedlite._comm.wire import (
     DTYPES,
     MAX_DIMS,
@@ -98,6 +99,7 @@ class JoinCollectives:
         work = tensor.detach().to(device=self.device, dtype=wire_dtype(tensor.dtype, op), copy=True)
         round_ = self.announce(Header(REDUCE, REDUCE_OPS.index(op), *_describe_tensor(work)))
         dist.all_reduce(work, op=TORCH_OPS[op])
+        keep(work)  # freed here, not by gloo's thread (_comm/payloads.py)
         if op == "mean":
             work = work / len(round_.runners)
         elif original.dtype == torch.bool:
@@ -109,6 +111,7 @@ class JoinCollectives:
         round_ = self.announce(Header(GATHER, 0, *_describe_tensor(work)))
         parts = [torch.empty_like(work) for _ in range(self.world_size)]
         dist.all_gather(parts, work)
+        keep(work, *parts)
         return torch.stack([parts[r] for r in round_.runners]).to(tensor.device)
 
     def broadcast(self, obj: Any, src: int) -> Any:
@@ -132,6 +135,7 @@ class JoinCollectives:
         if payload is None:
             payload = torch.empty(source.shape, dtype=source.torch_dtype, device=self.device)
         dist.broadcast(payload, src=src)
+        keep(payload)
         return from_bytes(payload) if source.payload == _BYTES else payload
 
     def barrier(self) -> None:
@@ -146,12 +150,17 @@ class JoinCollectives:
             dtype = header.torch_dtype
             neutral = torch.full(header.shape, neutral_value(dtype, op), dtype=dtype, device=self.device)
             dist.all_reduce(neutral, op=TORCH_OPS[op])
+            keep(neutral)
         elif header.collective == GATHER:
             zeros = torch.zeros(header.shape, dtype=header.torch_dtype, device=self.device)
-            dist.all_gather([torch.empty_like(zeros) for _ in range(self.world_size)], zeros)
+            parts = [torch.empty_like(zeros) for _ in range(self.world_size)]
+            dist.all_gather(parts, zeros)
+            keep(zeros, *parts)
         elif header.collective == BROADCAST and header.src in round_.runners:
             source = round_.openers[header.src].header
-            dist.broadcast(torch.empty(source.shape, dtype=source.torch_dtype, device=self.device), src=header.src)
+            received = torch.empty(source.shape, dtype=source.torch_dtype, device=self.device)
+            dist.broadcast(received, src=header.src)
+            keep(received)
         # BARRIER: the round was the barrier
 
 

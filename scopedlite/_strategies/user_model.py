@@ -30,6 +30,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.ddp.methods import ddp_method
+from scopedlite._strategies.ddp.unused import forward_naming_unused
 from scopedlite._strategies.join_members import in_join, refuse_backward_in_join, refuse_gather_in_join
 from scopedlite._strategies.method_results import on_backward
 
@@ -289,6 +290,11 @@ def share_tied(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]
 
 class SetUpDDP(UserModelView, DistributedDataParallel):
     """``DistributedDataParallel`` answering for the user's module (see the module docstring)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """DDP's forward; its error for parameters the last backward left without a
+        gradient names them and our fixing line (ddp/unused.py)."""
+        return forward_naming_unused(self, *args, **kwargs)
 
     def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
         return ddp_method(self, inner, name)

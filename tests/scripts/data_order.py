@@ -7,9 +7,13 @@ outside lite.join and two inside it; rank 0 writes every rank's record.
 
 import random
 import sys
+import threading
+import time
+import weakref
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from _common import write
 from torch.utils.data import (
     BatchSampler,
@@ -135,6 +139,56 @@ CASES = {
     "workers": lambda: DataLoader(Indexed(), batch_size=2, shuffle=True, num_workers=2),
 }
 
+def payloads_freed_by():
+    """Which threads free the tensors handed to torch.distributed: ours (lite's collectives,
+    outside and inside join) and, as a control that the count can see gloo's thread, the
+    script's own dist.all_reduce of tensors it drops at once. Watched by wrapping the
+    functions with ones that note where each tensor given to them is freed."""
+    main = threading.get_ident()
+    # [in the main thread, in another Python thread (a garbage collection the supervisor's
+    # polling set off), in a thread Python did not start (gloo's)]
+    freed = {"ours": [0, 0, 0], "raw": [0, 0, 0]}
+    whose = ["ours"]
+
+    def note(key):
+        me = threading.get_ident()
+        freed[key][0 if me == main else 1 if me in {t.ident for t in threading.enumerate()} else 2] += 1
+
+    def watched(fn):
+        def call(*args, **kwargs):
+            for arg in args:
+                for t in arg if isinstance(arg, list) else [arg]:
+                    if isinstance(t, torch.Tensor):
+                        weakref.finalize(t, note, whose[0])
+            return fn(*args, **kwargs)
+
+        return call
+
+    names = ("all_reduce", "all_gather", "broadcast", "all_gather_single", "all_gather_into_tensor")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    for name, fn in originals.items():
+        setattr(dist, name, watched(fn))
+    try:
+        for i in range(60):
+            lite.all_reduce(torch.tensor([float(i)]), op="mean")
+            lite.all_gather(torch.tensor([i]))
+            lite.broadcast({"i": i})
+        loader = lite.setup_dataloader(DataLoader(Indexed(), batch_size=1))
+        with lite.join():  # uneven: the rounds of join, and our collectives inside it
+            for batch in loader:
+                lite.all_reduce(batch.float(), op="sum")
+        for i in range(40):  # past what the library holds: all of ours above are freed by now
+            lite.all_reduce(torch.tensor([float(i)]))
+        whose[0] = "raw"
+        for i in range(100):
+            dist.all_reduce(torch.ones(4))
+        time.sleep(0.2)  # gloo's threads let go of the last ones
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return freed
+
+
 with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60) as run:
     record = {name: read(make) for name, make in CASES.items()}
     shared = Indexed()  # a loader rebuilt every pass over one dataset continues its count
@@ -142,6 +196,31 @@ with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60)
     # torchrun style, resumed at epoch 20: the script sets its own sampler's epoch every pass
     resumed = DistributedSampler(Indexed(), shuffle=True, seed=5)
     record["resumed"] = read(lambda: DataLoader(Indexed(), batch_size=2, sampler=resumed), before=lambda p: resumed.set_epoch(20 + p))
+
+    # pytorch/examples' DDP tutorial: one batch peeked at (next(iter(loader))), then
+    # sampler.set_epoch(epoch) each epoch, on the user's sampler or on ours (loader.sampler)
+    def tutorial(make, sampler_of, early):
+        loader = lite.setup_dataloader(make())
+        if early:  # set_epoch before the peek too
+            sampler_of(loader).set_epoch(0)
+        peek = flat(next(iter(loader)))
+        passes = []
+        for epoch in range(3):
+            sampler_of(loader).set_epoch(epoch)
+            passes.append(one_pass(loader)["idx"])
+        passes.append(one_pass(loader)["idx"])  # no call: the epoch set last holds
+        return {"peek": peek, "passes": passes}
+
+    users = DistributedSampler(Indexed(), shuffle=True, seed=5)
+    own = lambda: DataLoader(Indexed(), batch_size=2, sampler=users)  # noqa: E731
+    fresh = lambda: DataLoader(Indexed(), batch_size=2, sampler=DistributedSampler(Indexed(), shuffle=True, seed=5))  # noqa: E731
+    shuffled = lambda: DataLoader(Indexed(), batch_size=2, shuffle=True)  # noqa: E731
+    record["tutorial"] = {
+        "users": tutorial(own, lambda loader: users, early=False),
+        "users_via_loader": tutorial(fresh, lambda loader: loader.sampler, early=True),
+        "ours": tutorial(shuffled, lambda loader: loader.sampler, early=False),
+        "ours_early": tutorial(shuffled, lambda loader: loader.sampler, early=True),
+    }
 
     try:
         lite.setup_dataloader(DataLoader(Indexed(), sampler=Endless()))
@@ -155,6 +234,8 @@ with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60)
 
     lite.seed_everything(100 + run.global_rank)  # ranks seeded differently: rank 0's seed wins
     record["reseeded"] = read(CASES["shuffle"])[:1]
+
+    record["freed_by"] = payloads_freed_by()
 
     everyone = [lite.broadcast(record, src=r) for r in range(run.world_size)]
     if run.global_rank == 0:

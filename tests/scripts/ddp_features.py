@@ -1,4 +1,5 @@
-"""DDP: accumulation with no_backward_sync, clipping, save/load, rank_zero_first, bf16-mixed.
+"""DDP: accumulation with no_backward_sync, clipping, save/load, rank_zero_first, bf16-mixed,
+and the error for a layer the loss does not use.
 
 Rank 0 writes the results; the test compares them with one process.
 """
@@ -49,6 +50,27 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-m
             time.sleep(0.5)
         stamps["leave"] = time.time()
     everyone = [lite.broadcast(stamps, src=r) for r in range(run.world_size)]
+
+    # a layer the loss never uses, under plain "ddp": the next forward names it, and our line
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+            self.frozen = torch.nn.Linear(3, 3).requires_grad_(False)  # not counted by DDP's indices
+            self.head = torch.nn.Linear(3, 1)
+            self.unused = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.head(self.frozen(self.a(x)))
+
+    unused = lite.setup(WithUnused())
+    error = None
+    try:
+        for _ in range(2):
+            lite.backward(unused(torch.ones(2, 3)).sum())
+    except RuntimeError as e:
+        error = {"message": str(e), "cause": str(e.__cause__)}
+    errors = [lite.broadcast(error, src=r) for r in range(run.world_size)]
     result = {
         "params": after_step,
         "norm": float(norm),
@@ -59,6 +81,7 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-m
         "rest": rest,
         "stamps": everyone,
         "restored_all": lite.all_reduce(int(restored), op="min"),
+        "unused_errors": errors,
     }
     if run.is_global_zero:
         write(result)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from scopedlite._comm.payloads import keep
 from scopedlite._private.torch_internals import overwrite_buffers
 from scopedlite._strategies.join_members import in_join
 
@@ -73,6 +74,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], source: int, device: torch.
     for group in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
         dist.broadcast(flat, src=source)
+        keep(flat)  # freed here, not by gloo's thread (_comm/payloads.py)
         values, offset = [], 0
         for tensor in group:
             values.append(flat[offset : offset + tensor.numel()].view_as(tensor))
