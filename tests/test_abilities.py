@@ -90,7 +90,7 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "broadcast": lambda obj, src: obj,
     "barrier": lambda: None,
 }
-LAUNCH_HOOKS = {"start", "stop", "backend", "fresh", "comm_device", "describe", "unwrap"}
+LAUNCH_HOOKS = {"start", "stop", "backend", "fresh", "comm_device", "describe", "unwrap", "block_body_ended"}
 # Where this process's share of the data is: read by setup_dataloader and lite.save through the
 # Run (properties, which no recorder replaces); tests/test_model_parallel.py checks the one
 # strategy that overrides them.
@@ -125,6 +125,8 @@ OWN_HELPERS = {
     "model_of": "deepspeed: an optimizer's model, for its checkpoint conversion",
     "owner_of": "fsdp: the FSDP root of an optimizer, for its checkpoints and join",
     "build_config": "deepspeed: the engine's config, at setup",
+    "note_collective": "sharded strategies: join rounds note themselves in the gather ledger (lockstep.py)",
+    "syncs_buffers": "ddp: whether a model broadcasts its buffers, read by its join replays",
 }
 
 
