@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
-from scopedlite._private.torch_internals import forget_dtensor_shardings, live_process_groups, set_group_timeout
+from scopedlite._private.torch_internals import (
+    default_store,
+    forget_dtensor_shardings,
+    live_process_groups,
+    set_group_timeout,
+)
 
 __all__ = [
     "adopt_existing_group",
@@ -32,6 +37,7 @@ __all__ = [
     "gather_into",
     "init_process_group",
     "retire_groups",
+    "run_store",
 ]
 
 
@@ -165,6 +171,20 @@ _own_store: list[tuple[Any, int, int]] = []
 
 # The store of the run our launcher started that this process is in (rank 0 hosts it).
 _launch_store: list[Any] = []
+
+
+def run_store() -> Any:
+    """The store every rank of the open run shares: the one of a run we started, else the
+    default group's (torchrun's agent store, SLURM's or MPI's that rank 0 hosts, a group made
+    before launch); None without a process group."""
+    if _launch_store:
+        return _launch_store[0]
+    if not dist.is_initialized():
+        return None
+    try:
+        return default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[], None] | None = None) -> bool:
