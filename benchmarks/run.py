@@ -37,6 +37,7 @@ MODULES: dict[str, str] = {
     "join_overhead": "lite.join overhead, even and uneven data",
     "launch_latency": "launch latency: script and fork launchers vs torchrun",
     "sharded_memory": "sharded_init memory per rank: ddp vs fsdp vs deepspeed_stage_3",
+    "watchdog_overhead": "hang watchdog: per-step cost, and the cost of one look",
 }
 # Results written before rows carried their module: the module a row came from, by key prefix.
 _KEY_PREFIXES = {"ddp_": "ddp_vs_torchrun", "import_": "import_time", "crash_": "crash_latency", "join_": "join_overhead"}

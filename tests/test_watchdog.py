@@ -213,6 +213,7 @@ def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path):
         for pid in [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]:
             os.kill(pid, signal.SIGKILL)
         raise
+    assert out.exists(), f"exit {proc.returncode}\n{stderr}"
     result = json.loads(out.read_text())
     assert result["error"] == "CollectiveTimeoutError", stderr
     assert "A SIGTERM asked the run to stop, but it cannot reach a stop" in result["message"]

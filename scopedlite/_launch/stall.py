@@ -1,6 +1,7 @@
 """Is this rank waiting for the others? One look at the main thread, and what counts as progress.
 
-The hang watchdog (``watchdog.py``) looks at the main thread every few seconds. A look says
+The hang watchdog (``watchdog.py``) looks at the thread that runs the launch block (the main
+thread, but for Ray Train's training thread) every few seconds. A look says
 *waiting* when the innermost Python frame is one of the places where a rank waits for its
 peers: a ``torch.distributed`` collective (c10d, functional collectives, FSDP2's all-gather
 and reduce-scatter waits), DeepSpeed's ``deepspeed.comm``, or our own communication
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Callable
 
-__all__ = ["Look", "Progress", "bytes_written", "format_main_stack", "look_at", "main_frame"]
+__all__ = ["Look", "Progress", "bytes_written", "format_stack_of", "frame_of", "look_at"]
 
 # The places where a rank waits for its peers, as path endings (``/`` separated).
 _WAIT_FILES = (
@@ -111,19 +112,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_looking.acquire, after_in_parent=_looking.release, after_in_child=_looking.release)
 
 
-def main_frame() -> FrameType | None:
-    """The main thread's innermost Python frame, from another thread.
+def frame_of(thread: int) -> FrameType | None:
+    """The innermost Python frame of ``thread`` (an ident), seen from another thread.
 
     ``sys._current_frames`` is CPython's documented way to see another thread's stack
-    (faulthandler's Python twin); the main thread never stops for it.
+    (faulthandler's Python twin); the thread never stops for it.
     """
     with _looking:
-        return sys._current_frames().get(threading.main_thread().ident or 0)
+        return sys._current_frames().get(thread)
 
 
-def format_main_stack() -> str:
-    """The main thread's Python stack, innermost last, as a traceback shows it."""
-    frame = main_frame()
+def format_stack_of(thread: int) -> str:
+    """``thread``'s Python stack, innermost last, as a traceback shows it."""
+    frame = frame_of(thread)
     return "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(no Python stack)"
 
 

@@ -25,8 +25,8 @@ How the run ends:
   it waits in and its own stack to its stderr and leaves with exit code 1, which ends the job
   under torchrun's agent, ``srun`` and ``mpirun``. The block's exception handling does not
   run: the main thread cannot be interrupted inside C++.
-- Whatever the main thread does not leave within :data:`END_WAIT_S` of the verdict, the
-  watchdog ends with the same report on stderr.
+- A main thread that still waits :data:`END_WAIT_S` after the verdict (stuck where nothing
+  can interrupt it) is ended by the watchdog with the same report on stderr.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scopedlite._launch.stall import Progress, bytes_written, format_main_stack, look_at, main_frame
+from scopedlite._launch.stall import Progress, bytes_written, format_stack_of, frame_of, look_at
 from scopedlite._private.torch_internals import group_sequence_numbers
 
 __all__ = ["END_WAIT_S", "Diagnosis", "HangWatchdog", "Limits"]
 
-#: How long the main thread has to leave the block once the run was found stalled.
+#: How long the main thread may still wait once the run was found stalled and ended.
 END_WAIT_S = 10.0
 _EXIT_CODE = 1
 
@@ -105,7 +105,8 @@ class Diagnosis:
 
 
 class HangWatchdog:
-    """One rank's watchdog thread (see the module docstring).
+    """One rank's watchdog thread (see the module docstring), watching the thread that
+    creates it: the one that runs the launch block.
 
     Args:
         rank: This process's global rank.
@@ -144,6 +145,7 @@ class HangWatchdog:
         self._published: tuple[int, str | None, bool] | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (episode, first seen), rank 0 only
         self._suspect = False  # the last look found a stall too (rank 0)
+        self._watched = threading.get_ident()  # the thread that runs the block
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scopedlite-hang-watchdog", daemon=True)
 
@@ -169,7 +171,7 @@ class HangWatchdog:
             return
 
     def _tick(self) -> None:
-        look = look_at(main_frame())
+        look = look_at(frame_of(self._watched))
         state = (self.progress.update(look), look.where, bool(self.stop_seen()))
         if state != self._published:
             episode, where, stop = state
@@ -198,7 +200,7 @@ class HangWatchdog:
                 Diagnosis(
                     self._headline(waited, stopping, window),
                     {r: s[1] for r, s in enumerate(states)},
-                    format_main_stack(),
+                    format_stack_of(self._watched),
                 )
             )
         self._suspect = stalled
@@ -222,8 +224,11 @@ class HangWatchdog:
     def _end(self, diagnosis: Diagnosis) -> None:
         if self.end_run is not None:
             self.end_run(diagnosis)
-            if self._stopped.wait(END_WAIT_S):
-                return  # the launch took it from there
+            for _ in range(6):  # a loaded machine may take a while to unwind: not while it moves
+                if self._stopped.wait(END_WAIT_S):
+                    return  # the launch took it from there
+                if look_at(frame_of(self._watched)).waiting:
+                    break
         else:
             self.store.set(self._key("verdict"), diagnosis.to_json())
             deadline = time.monotonic() + END_WAIT_S / 2
@@ -237,9 +242,8 @@ class HangWatchdog:
 
     def _follow(self, diagnosis: Diagnosis) -> None:
         where = diagnosis.waits.get(self.rank)
-        report = (
-            f"{diagnosis.text()}\n--- rank {self.rank} (this process), waiting in {where} ---\n{format_main_stack()}"
-        )
+        stack = format_stack_of(self._watched)
+        report = f"{diagnosis.text()}\n--- rank {self.rank} (this process), waiting in {where} ---\n{stack}"
         try:
             sys.stderr.write(_prefixed(report, self.rank) + "\n")
             sys.stderr.flush()
