@@ -156,7 +156,8 @@ class Parent(Role):
             self.supervisor.disarm()
 
     def exit(self, exc: BaseException | None) -> bool | None:
-        self.end_signals()
+        # SIGTERM stays a stop request (and the watchdog on) through the end-of-block barrier:
+        # a rank that skipped a collective waits there, and a SIGTERM must not kill it silently.
         supervisor, run = self.supervisor, self.run
         assert supervisor is not None and run is not None
         supervisor.disarm()
@@ -168,6 +169,7 @@ class Parent(Role):
                     # failed never reaches the end of the block: stop waiting for it.
                     self.final_barrier(run.timeout.total_seconds(), check=supervisor.raise_if_failed)
                     self.end_watchdog()
+                    self.end_signals()
                     run.strategy.stop()
                 except BaseException as e:  # noqa: BLE001 - a worker failed while rank 0 was finishing
                     exc = e
@@ -177,6 +179,7 @@ class Parent(Role):
                         raise WorkerFailedError(failures)
                     return None
             self.end_watchdog()  # a stall it found is reported below
+            self.end_signals()
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) and raised_in_block:
                 # Ctrl-C or a second SIGTERM: the user stops the run; workers failing now
                 # only follow the signal we forwarded to them.
@@ -232,6 +235,7 @@ class Parent(Role):
     def cleanup(self) -> None:
         """Stop every worker and release what rank 0 holds; safe to call more than once."""
         self.end_watchdog()
+        self.end_signals()
         if self.supervisor is not None:
             self.supervisor.kill_all()
             self.supervisor.reap()

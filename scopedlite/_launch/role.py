@@ -199,15 +199,16 @@ class External(Role):
         return run
 
     def exit(self, exc: BaseException | None) -> bool | None:
-        self.end_signals()
         assert self.run is not None
         try:
             if exc is None:
                 self.final_barrier()  # every rank done before the process group goes
             self.end_watchdog()
+            self.end_signals()  # after the barrier: a SIGTERM there is a stop request, not death
             self.run.strategy.stop()
         finally:
             self.end_watchdog()
+            self.end_signals()
             if self.sigterm is not None:
                 self.sigterm.close()
                 self.sigterm = None

@@ -112,7 +112,6 @@ class Worker(Role):
         return run
 
     def exit(self, exc: BaseException | None) -> NoReturn:
-        self.end_signals()
         run = self.run
         assert run is not None
         code = 0
@@ -122,6 +121,7 @@ class Worker(Role):
             except BaseException as e:  # noqa: BLE001 - a peer failed while we were finishing
                 exc, code = e, 1
         self.end_watchdog()
+        self.end_signals()  # after the end-of-block barrier: a SIGTERM there is a stop request
         if exc is not None:
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
             if isinstance(exc, SystemExit) and exc.code is None:
