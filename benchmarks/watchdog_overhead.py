@@ -47,6 +47,8 @@ def measure(quick: bool) -> list[Measurement]:
     ratio = safe_ratio(pooled["default"], pooled["off"])
     look = median(data["look_s"])
     eager = safe_ratio(pooled["eager"], pooled["off"])
+    cpu = {name: median([t for b in blocks_ for t in b]) for name, blocks_ in data["cpu"].items()}
+    cpu_ratio = safe_ratio(cpu["default"], cpu["off"])
     log(
         f"watchdog: off {pooled['off'] * 1e3:.2f} ms, default {pooled['default'] * 1e3:.2f} ms, eager {pooled['eager'] * 1e3:.2f} ms; one look {look * 1e6:.0f} us"
     )
@@ -66,10 +68,11 @@ def measure(quick: bool) -> list[Measurement]:
             value_label=f"{pooled['default'] * 1e3:.2f} ms (watchdog on)",
             baseline_label=f"{pooled['off'] * 1e3:.2f} ms (off)",
             note=(
-                f"per-block ratios {', '.join(f'{r:.3f}' for r in per_block)}; eager (a look every 50 ms) / off "
+                f"per-block ratios {', '.join(f'{r:.3f}' for r in per_block)}; CPU time per step (process_time, "
+                f"less disturbed by other jobs) default / off {cpu_ratio:.3f}; eager (a look every 50 ms) / off "
                 f"{eager:.3f}; one look (stack, episode, store write, rank 0's reads) {look * 1e6:.0f} us median, "
                 f"i.e. {look / 2.0:.1e} of a core at the default interval"
             ),
-            raw={"steps_s": data["steps"], "look_s": data["look_s"], "wall_s": result.wall_s},
+            raw={"steps_s": data["steps"], "cpu_s": data["cpu"], "look_s": data["look_s"], "wall_s": result.wall_s},
         )
     ]

@@ -25,6 +25,7 @@ from workload import BATCH, make_dataset, make_model, make_optimizer, train_time
 out, warmup, steps, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 SETTINGS = {"off": ("off", "off"), "default": ("", ""), "eager": ("0.2", "")}
 record: dict[str, list[list[float]]] = {name: [] for name in SETTINGS}
+cpu: dict[str, list[list[float]]] = {name: [] for name in SETTINGS}
 look_s: list[float] = []
 for block in range(blocks):
     names = list(SETTINGS)
@@ -37,9 +38,10 @@ for block in range(blocks):
             model, opt = lite.setup(model, make_optimizer(model))
             loader = lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=BATCH))
             lite.barrier()
-            times, _ = train_timed(model, opt, loader, lite.backward, warmup)
+            times, cpu_times = train_timed(model, opt, loader, lite.backward, warmup)
             if run.is_global_zero:
                 record[name].append(times)
+                cpu[name].append(cpu_times)
             if block == blocks - 1 and name == names[-1]:
                 probe = HangWatchdog(
                     run.global_rank, run.world_size, run_store(), "bench/probe", Limits(1e9, None), lambda: False
@@ -49,4 +51,4 @@ for block in range(blocks):
                     probe._tick()
                     look_s.append(time.perf_counter() - start)
                 lite.barrier()
-write_result(out, {"steps": record, "look_s": look_s})
+write_result(out, {"steps": record, "cpu": cpu, "look_s": look_s})

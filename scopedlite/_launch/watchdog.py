@@ -248,8 +248,10 @@ class HangWatchdog:
             sys.stderr.write(_prefixed(report, self.rank) + "\n")
             sys.stderr.flush()
         finally:
-            self.store.add(self._key("reported"), 1)
-            os._exit(_EXIT_CODE)
+            try:
+                self.store.add(self._key("reported"), 1)
+            finally:
+                os._exit(_EXIT_CODE)
 
 
 def _prefixed(text: str, rank: int) -> str:
