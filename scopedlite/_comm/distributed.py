@@ -38,6 +38,7 @@ __all__ = [
     "init_process_group",
     "retire_groups",
     "run_store",
+    "store_connection",
 ]
 
 
@@ -171,6 +172,25 @@ _own_store: list[tuple[Any, int, int]] = []
 
 # The store of the run our launcher started that this process is in (rank 0 hosts it).
 _launch_store: list[Any] = []
+
+
+def store_connection(world: World) -> Any:
+    """A connection of this process's own to the store every rank of ``world`` shares, for a
+    thread that must not queue behind the main thread's blocking store waits (a client's
+    operations run one at a time); the shared one (:func:`run_store`) where the world's store
+    address is not known to be a store (a group made before launch)."""
+    if not world.is_existing_group and world.main_port and (world.is_ours or world.is_torchelastic or _own_store):
+        try:
+            return dist.TCPStore(
+                world.main_address,
+                world.main_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=30),
+                wait_for_workers=False,
+            )
+        except Exception:  # noqa: BLE001 - fall back to the connection the group uses
+            pass
+    return run_store()
 
 
 def run_store() -> Any:

@@ -21,7 +21,7 @@ import torch
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
-from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier, run_store
+from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier, store_connection
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch import history
@@ -60,6 +60,7 @@ class Role(ABC):
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.run: Run | None = None
+        self.world_of_run: World | None = None
         self.signals: StopSignals | None = None
         self.watchdog: HangWatchdog | None = None
         self.cores = CoreShare()
@@ -105,6 +106,7 @@ class Role(ABC):
             stop_quietly(strategy)  # a strategy failing halfway must not leak its group
             raise
         self.run = run
+        self.world_of_run = world
         self.signals = StopSignals(forward).install()
         return run
 
@@ -124,7 +126,9 @@ class Role(ABC):
         run = self.run
         assert run is not None
         limits = Limits(self.plan.hang_timeout, self.plan.term_grace)
-        store = run_store() if run.world_size > 1 and limits.active else None
+        world = self.world_of_run
+        assert world is not None
+        store = store_connection(world) if run.world_size > 1 and limits.active else None
         if store is None:
             return
         prefix = f"scopedlite/watch/{history.blocks_entered()}"
