@@ -54,6 +54,10 @@ COMMAND_LINE = {
 }
 
 
+DEFAULT_HANG_TIMEOUT = 120.0  # SPEC 9: a desync is reported within 2 minutes
+DEFAULT_TERM_GRACE = 30.0  # as torchrun, SLURM (KillWait) and Kubernetes give after SIGTERM
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything ``launch`` will do, decided before it does any of it.
@@ -71,6 +75,10 @@ class Plan:
         timeout: How long collectives wait for other ranks.
         world: The existing world joined when ``launcher == "join"``.
         loggers: Where ``lite.log`` writes, on global rank 0.
+        hang_timeout: Seconds every rank may wait for the others, with nothing moving,
+            before the run is ended as stalled (``SCOPEDLITE_HANG_TIMEOUT``); None: never.
+        term_grace: Seconds a run whose ranks all wait in a collective has after a SIGTERM
+            before it is ended (``SCOPEDLITE_TERM_GRACE``); None: never.
     """
 
     accelerator: str
@@ -83,6 +91,8 @@ class Plan:
     timeout: datetime.timedelta
     world: World | None = None
     loggers: tuple[Logger, ...] = field(default=(), compare=False)
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT
+    term_grace: float | None = DEFAULT_TERM_GRACE
 
     @property
     def local_world_size(self) -> int:
@@ -139,7 +149,33 @@ def resolve(
         timeout=request.timeout,
         world=world,
         loggers=request.loggers,
+        hang_timeout=_seconds_or_off(env, HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT),
+        term_grace=_seconds_or_off(env, TERM_GRACE_ENV, DEFAULT_TERM_GRACE),
     )
+
+
+HANG_TIMEOUT_ENV = "SCOPEDLITE_HANG_TIMEOUT"
+TERM_GRACE_ENV = "SCOPEDLITE_TERM_GRACE"
+_OFF = ("0", "off", "none", "false", "no")
+
+
+def _seconds_or_off(env: Mapping[str, str], name: str, default: float) -> float | None:
+    """A number of seconds from the environment variable ``name``; 0/off disables (None)."""
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if text.lower() in _OFF:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"{name}={text!r} is not valid: give a positive number of seconds (default {default:g}), "
+            f"or 0/off to turn it off, e.g. `export {name}={default:g}`."
+        )
+    return seconds
 
 
 # -- 1. the arguments as written, merged with the command line ------------------------------

@@ -22,7 +22,12 @@ import torch.distributed as dist
 from scopedlite._cluster.environments import World
 from scopedlite._comm.payloads import keep
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
-from scopedlite._private.torch_internals import forget_dtensor_shardings, live_process_groups, set_group_timeout
+from scopedlite._private.torch_internals import (
+    default_store,
+    forget_dtensor_shardings,
+    live_process_groups,
+    set_group_timeout,
+)
 
 __all__ = [
     "adopt_existing_group",
@@ -33,6 +38,8 @@ __all__ = [
     "gather_into",
     "init_process_group",
     "retire_groups",
+    "run_store",
+    "store_connection",
 ]
 
 
@@ -166,6 +173,39 @@ _own_store: list[tuple[Any, int, int]] = []
 
 # The store of the run our launcher started that this process is in (rank 0 hosts it).
 _launch_store: list[Any] = []
+
+
+def store_connection(world: World) -> Any:
+    """A connection of this process's own to the store every rank of ``world`` shares, for a
+    thread that must not queue behind the main thread's blocking store waits (a client's
+    operations run one at a time); the shared one (:func:`run_store`) where the world's store
+    address is not known to be a store (a group made before launch)."""
+    if not world.is_existing_group and world.main_port and (world.is_ours or world.is_torchelastic or _own_store):
+        try:
+            return dist.TCPStore(
+                world.main_address,
+                world.main_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=30),
+                wait_for_workers=False,
+            )
+        except Exception:  # noqa: BLE001 - fall back to the connection the group uses
+            pass
+    return run_store()
+
+
+def run_store() -> Any:
+    """The store every rank of the open run shares: the one of a run we started, else the
+    default group's (torchrun's agent store, SLURM's or MPI's that rank 0 hosts, a group made
+    before launch); None without a process group."""
+    if _launch_store:
+        return _launch_store[0]
+    if not dist.is_initialized():
+        return None
+    try:
+        return default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[], None] | None = None) -> bool:

@@ -26,6 +26,7 @@ from scopedlite._hardware.machine import Machine
 from scopedlite._launch import history
 from scopedlite._launch.output import HeldLines, install_rank_prefix
 from scopedlite._launch.role import Role, stop_quietly
+from scopedlite._launch.signals import stop_requested
 from scopedlite._launch.stacks import CollectiveTimeoutError, collect_stacks, looks_like_timeout
 from scopedlite._launch.start import ForkChild, ForkParent, fork_workers, start_script_workers, threads_per_process
 from scopedlite._launch.supervise import RankFailure, Supervisor, WorkerFailedError, _Interrupted, is_consequence
@@ -92,7 +93,10 @@ class Parent(Role):
         try:
             self._wait_for_workers(n)
             world = World("scopedlite", 0, 0, 0, n, n, "127.0.0.1", self.store.port)
-            return self.start_run(world, Rendezvous(world, self.store), forward=self.supervisor.signal_all)
+            run = self.start_run(world, Rendezvous(world, self.store), forward=self.supervisor.signal_all)
+            supervisor = self.supervisor
+            self.start_watchdog(lambda: supervisor.sigterm_seen or stop_requested(), end_run=supervisor.end_stalled)
+            return run
         except _Interrupted:
             failures = self.supervisor.failures()
             self.cleanup()
@@ -152,7 +156,8 @@ class Parent(Role):
             self.supervisor.disarm()
 
     def exit(self, exc: BaseException | None) -> bool | None:
-        self.end_signals()
+        # SIGTERM stays a stop request (and the watchdog on) through the end-of-block barrier:
+        # a rank that skipped a collective waits there, and a SIGTERM must not kill it silently.
         supervisor, run = self.supervisor, self.run
         assert supervisor is not None and run is not None
         supervisor.disarm()
@@ -163,6 +168,8 @@ class Parent(Role):
                     # The supervisor no longer interrupts this thread, and a worker that
                     # failed never reaches the end of the block: stop waiting for it.
                     self.final_barrier(run.timeout.total_seconds(), check=supervisor.raise_if_failed)
+                    self.end_watchdog()
+                    self.end_signals()
                     run.strategy.stop()
                 except BaseException as e:  # noqa: BLE001 - a worker failed while rank 0 was finishing
                     exc = e
@@ -171,6 +178,8 @@ class Parent(Role):
                     if failures:
                         raise WorkerFailedError(failures)
                     return None
+            self.end_watchdog()  # a stall it found is reported below
+            self.end_signals()
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) and raised_in_block:
                 # Ctrl-C or a second SIGTERM: the user stops the run; workers failing now
                 # only follow the signal we forwarded to them.
@@ -185,6 +194,15 @@ class Parent(Role):
         """Something went wrong: if a worker failed, that is the cause to report."""
         supervisor, run = self.supervisor, self.run
         assert supervisor is not None and run is not None
+        if supervisor.stall is not None:
+            # The hang watchdog found every rank waiting for the others and stopped the
+            # workers (which is why rank 0's collective failed): its diagnosis is the error.
+            diagnosis, stacks = supervisor.stall, dict(supervisor.stacks)
+            supervisor.kill_all()
+            stop_quietly(run.strategy)
+            raise CollectiveTimeoutError(
+                exc, stacks, run.world_size, headline=diagnosis.text(), rank0_stack=diagnosis.stack
+            ) from exc
         interrupted = isinstance(exc, _Interrupted)
         failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
         if raised_in_block and not interrupted and failures and all(map(is_consequence, failures)):
@@ -216,6 +234,8 @@ class Parent(Role):
 
     def cleanup(self) -> None:
         """Stop every worker and release what rank 0 holds; safe to call more than once."""
+        self.end_watchdog()
+        self.end_signals()
         if self.supervisor is not None:
             self.supervisor.kill_all()
             self.supervisor.reap()

@@ -21,11 +21,13 @@ import torch
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
-from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier
+from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier, store_connection
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
-from scopedlite._launch.signals import StopSignals
+from scopedlite._launch import history
+from scopedlite._launch.signals import SignalWatch, StopSignals
 from scopedlite._launch.start import threads_per_process
+from scopedlite._launch.watchdog import Diagnosis, HangWatchdog, Limits
 from scopedlite._plan import Plan
 from scopedlite._strategies.base import Rendezvous
 
@@ -58,7 +60,9 @@ class Role(ABC):
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.run: Run | None = None
+        self.world_of_run: World | None = None
         self.signals: StopSignals | None = None
+        self.watchdog: HangWatchdog | None = None
         self.cores = CoreShare()
 
     @abstractmethod
@@ -102,6 +106,7 @@ class Role(ABC):
             stop_quietly(strategy)  # a strategy failing halfway must not leak its group
             raise
         self.run = run
+        self.world_of_run = world
         self.signals = StopSignals(forward).install()
         return run
 
@@ -109,6 +114,33 @@ class Role(ABC):
         if self.signals is not None:
             self.signals.uninstall()
             self.signals = None
+
+    def start_watchdog(
+        self,
+        stop_seen: Callable[[], bool],
+        end_run: Callable[[Diagnosis], None] | None = None,
+        exits_itself: bool = False,
+    ) -> None:
+        """Watch this rank for a stall for the rest of the block (``watchdog.py``): one
+        thread, where the run has several ranks, a store and a limit that is on."""
+        run = self.run
+        assert run is not None
+        limits = Limits(self.plan.hang_timeout, self.plan.term_grace)
+        world = self.world_of_run
+        assert world is not None
+        store = store_connection(world) if run.world_size > 1 and limits.active else None
+        if store is None:
+            return
+        prefix = f"scopedlite/watch/{history.blocks_entered()}"
+        self.watchdog = HangWatchdog(
+            run.global_rank, run.world_size, store, prefix, limits, stop_seen, end_run, exits_itself
+        ).start()
+
+    def end_watchdog(self) -> None:
+        """Stop watching: the block's body and its end-of-block barrier are over."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
     def final_barrier(self, store_wait: float | None = None, check: Callable[[], None] | None = None) -> None:
         """Every rank reached the end of the block before any leaves it.
@@ -156,20 +188,35 @@ class External(Role):
     after the block runs on every process.
     """
 
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self.sigterm: SignalWatch | None = None
+
     def enter(self) -> Run:
         world = self.plan.world
         assert world is not None
         self.cores.share(self.plan, world.local_world_size)
-        return self.start_run(world, Rendezvous(world))
+        run = self.start_run(world, Rendezvous(world))
+        # Nothing of ours can stop the other processes: on a stall each rank ends itself,
+        # which ends the job under torchrun's agent, srun and mpirun.
+        self.sigterm = SignalWatch()
+        self.start_watchdog(self.sigterm.sigterm_seen, exits_itself=True)
+        return run
 
     def exit(self, exc: BaseException | None) -> bool | None:
-        self.end_signals()
         assert self.run is not None
         try:
             if exc is None:
                 self.final_barrier()  # every rank done before the process group goes
+            self.end_watchdog()
+            self.end_signals()  # after the barrier: a SIGTERM there is a stop request, not death
             self.run.strategy.stop()
         finally:
+            self.end_watchdog()
+            self.end_signals()
+            if self.sigterm is not None:
+                self.sigterm.close()
+                self.sigterm = None
             self.cores.restore()
         return None
 

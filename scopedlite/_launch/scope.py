@@ -137,7 +137,8 @@ def launch(
             ``32``/``"32"``: ``"32-true"``, ``64``/``"64"``: ``"64-true"``).
         launcher: ``"auto"``, ``"script"`` (re-execute the command line) or ``"fork"``.
         timeout: Seconds (or a timedelta) a collective waits for the other ranks before it
-            fails; default 30 minutes.
+            fails; default 30 minutes. A run whose ranks all wait for each other with
+            nothing moving ends sooner, after ``SCOPEDLITE_HANG_TIMEOUT`` seconds (120).
         loggers: Where ``lite.log``/``lite.log_dict`` write, on global rank 0: a logger
             (``lite.CSVLogger``, ``lite.TensorBoardLogger``, any ``lite.Logger``) or a list;
             flushed and closed when the block ends, successfully or not.

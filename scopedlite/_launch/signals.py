@@ -12,6 +12,12 @@ checkpoint and leave::
 
 A second SIGTERM stops at once (``SystemExit(143)``); the launcher then ends every rank.
 
+A run that cannot reach a stop, because its ranks wait in a collective that will never
+complete, cannot even run Python's handler: CPython runs handlers between bytecodes, and the
+main thread is blocked in C++. The C-level handler still writes the signal's number to the
+file descriptor of ``signal.set_wakeup_fd``, so the hang watchdog (``watchdog.py``) learns of
+the SIGTERM from a thread and ends such a run after a grace period (:class:`SignalWatch`).
+
 The main process forwards the request to its workers with a signal of its own
 (:data:`STOP_REQUEST_SIGNAL`), not with SIGTERM: when SIGTERM reaches every process of the run
 at once (systemd stopping a service, a scheduler signalling the whole tree), a worker then
@@ -21,11 +27,12 @@ copy for a second SIGTERM.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any, Callable
 
-__all__ = ["StopSignals", "stop_requested"]
+__all__ = ["SignalWatch", "StopSignals", "stop_requested"]
 
 # Signals are delivered to the process, so the request is process state, not a scope.
 _requested = threading.Event()
@@ -79,3 +86,45 @@ class StopSignals:
 def stop_requested() -> bool:
     """Whether this process received a SIGTERM during the open launch block."""
     return _requested.is_set()
+
+
+class SignalWatch:
+    """Whether a SIGTERM arrived, readable from any thread even while the main thread is
+    blocked in C code: a pipe given to ``signal.set_wakeup_fd`` (main thread only).
+
+    Where another wakeup descriptor is set already (asyncio, a notebook kernel, our
+    supervisor, which has its own), it stays, and only Python's handler tells.
+    """
+
+    def __init__(self) -> None:
+        self._read = self._write = -1
+        self._seen = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if previous != -1:  # someone listens already: theirs stays
+            signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return
+        self._read, self._write = read, write
+
+    def sigterm_seen(self) -> bool:
+        if not self._seen and self._read != -1:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:  # nothing written yet (BlockingIOError), or closed
+                data = b""
+            self._seen = signal.SIGTERM in data or STOP_REQUEST_SIGNAL in data
+        return self._seen or stop_requested()
+
+    def close(self) -> None:
+        """Give the wakeup descriptor back (main thread)."""
+        if self._read != -1:
+            signal.set_wakeup_fd(-1)
+            os.close(self._read)
+            os.close(self._write)
+            self._read = self._write = -1

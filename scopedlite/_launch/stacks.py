@@ -28,22 +28,35 @@ _open_files: list[IO[str]] = []
 
 
 class CollectiveTimeoutError(TimeoutError):
-    """A collective waited longer than ``launch(timeout=...)``; shows where every rank was.
+    """A collective waited longer than ``launch(timeout=...)``, or every rank waited for the
+    others with nothing moving (the hang watchdog: ``SCOPEDLITE_HANG_TIMEOUT``, or after a
+    SIGTERM ``SCOPEDLITE_TERM_GRACE``); shows where every rank was.
 
     Attributes:
         stacks: Each worker's Python stacks (all threads) at the time of the timeout, by rank.
     """
 
-    def __init__(self, cause: BaseException, stacks: dict[int, str], world_size: int) -> None:
+    def __init__(
+        self,
+        cause: BaseException,
+        stacks: dict[int, str],
+        world_size: int,
+        *,
+        headline: str | None = None,
+        rank0_stack: str | None = None,
+    ) -> None:
         import traceback
 
         self.stacks = stacks
-        lines = [
-            f"A collective timed out on rank 0 ({type(cause).__name__}: "
-            f"{str(cause).splitlines()[0] if str(cause) else ''}). "
-            "Where every rank was (a rank that is not inside the same collective skipped it):",
-            "\n--- rank 0 ---\n" + "".join(traceback.format_tb(cause.__traceback__)).rstrip(),
-        ]
+        if headline is None:
+            headline = (
+                f"A collective timed out on rank 0 ({type(cause).__name__}: "
+                f"{str(cause).splitlines()[0] if str(cause) else ''}). "
+                "Where every rank was (a rank that is not inside the same collective skipped it):"
+            )
+        if rank0_stack is None:
+            rank0_stack = "".join(traceback.format_tb(cause.__traceback__)).rstrip()
+        lines = [headline, "\n--- rank 0 ---\n" + rank0_stack]
         for rank in range(1, world_size):
             stack = stacks.get(rank)
             note = ""

@@ -199,6 +199,8 @@ class Supervisor:
         self._sigterms = 0
         #: Where the live workers were when one failed by a timeout, by rank.
         self.stacks: dict[int, str] = {}
+        #: The hang watchdog's diagnosis, once it ended a run whose ranks all stood still.
+        self.stall: Any = None
         self._thread = threading.Thread(target=self._watch, name="scopedlite-supervisor", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -255,6 +257,23 @@ class Supervisor:
                 if self._armed:  # the handler disarms when it raises
                     signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
             self._stop.wait(POLL_SECONDS)
+
+    @property
+    def sigterm_seen(self) -> bool:
+        """Whether this process received a SIGTERM, seen even while the main thread is blocked
+        in C code, where Python's own handler cannot run (see ``signal.set_wakeup_fd``)."""
+        return self._sigterms > 0
+
+    def end_stalled(self, diagnosis: Any) -> None:
+        """The hang watchdog found every rank waiting for the others: ask the workers where
+        they are, stop them, and interrupt the main thread, whose collective then fails; the
+        launch reports ``diagnosis`` (``Parent._report``). Called from the watchdog's thread."""
+        self.stacks = collect_stacks(self.workers, self.error_dir)
+        self.stall = diagnosis
+        self._failed.set()
+        self.kill_all()
+        if self._armed:
+            signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
 
     def _drain_signals(self) -> None:
         try:

@@ -17,6 +17,7 @@ from scopedlite._cluster.environments import ENV, World
 from scopedlite._core.run import Run
 from scopedlite._launch.output import install_rank_prefix
 from scopedlite._launch.role import Role
+from scopedlite._launch.signals import stop_requested
 from scopedlite._launch.stacks import enable_stack_dumps, stack_file
 from scopedlite._launch.start import ForkChild
 from scopedlite._launch.supervise import set_parent_death_signal
@@ -100,6 +101,7 @@ class Worker(Role):
             assert self.world is not None
             install_rank_prefix(self.world.global_rank)
             run = self.start_run(self.world, Rendezvous(self.world))
+            self.start_watchdog(stop_requested)  # rank 0 decides and stops us
         except BaseException as e:  # noqa: BLE001 - report it to rank 0 like any failure in the block
             write_failure(self.error_file, e)
             os._exit(1)
@@ -110,7 +112,6 @@ class Worker(Role):
         return run
 
     def exit(self, exc: BaseException | None) -> NoReturn:
-        self.end_signals()
         run = self.run
         assert run is not None
         code = 0
@@ -119,6 +120,8 @@ class Worker(Role):
                 self.final_barrier(run.timeout.total_seconds() + WORKER_GRACE_S)
             except BaseException as e:  # noqa: BLE001 - a peer failed while we were finishing
                 exc, code = e, 1
+        self.end_watchdog()
+        self.end_signals()  # after the end-of-block barrier: a SIGTERM there is a stop request
         if exc is not None:
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
             if isinstance(exc, SystemExit) and exc.code is None:

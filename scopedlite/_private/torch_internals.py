@@ -26,6 +26,7 @@ __all__ = [
     "fsdp_cast_forward_inputs",
     "fsdp_post_forward",
     "fsdp_pre_forward",
+    "group_sequence_numbers",
     "live_process_groups",
     "local_box",
     "op_facts",
@@ -319,3 +320,19 @@ def live_process_groups() -> list[Any]:
     names the default group alone. Checked against torch 2.9.0 and 2.13.0.
     """
     return list(distributed_c10d._world.pg_map)
+
+
+def group_sequence_numbers() -> tuple[int, ...] | None:
+    """How many collectives each process group of this process has started, None where
+    torch cannot say.
+
+    Why private: the hang watchdog (``scopedlite/_launch/stall.py``) must tell a rank that
+    stands in one collective from one that runs a loop of short ones; the groups count their
+    collectives (gloo and NCCL, for the flight recorder and desync debugging) and expose the
+    count only as ``_get_sequence_number_for_group``. Read from another thread while the main
+    thread waits in a collective: the count has a lock of its own. Checked against torch 2.13.
+    """
+    try:
+        return tuple(int(group._get_sequence_number_for_group()) for group in distributed_c10d._world.pg_map)
+    except Exception:  # noqa: BLE001 - a group being destroyed, a backend without a count
+        return None

@@ -1,0 +1,177 @@
+"""Is this rank waiting for the others? One look at the main thread, and what counts as progress.
+
+The hang watchdog (``watchdog.py``) looks at the thread that runs the launch block (the main
+thread, but for Ray Train's training thread) every few seconds. A look says
+*waiting* when the innermost Python frame is one of the places where a rank waits for its
+peers: a ``torch.distributed`` collective (c10d, functional collectives, FSDP2's all-gather
+and reduce-scatter waits), DeepSpeed's ``deepspeed.comm``, or our own communication
+(``scopedlite/_comm``: our collectives and the end-of-block barrier). Anything else is
+*working*: Python code, a long backward in C++ under ``torch.autograd``, a checkpoint being
+written. Only the innermost frame counts: torchrun's ``@record`` wraps the whole program in a
+``torch.distributed`` frame.
+
+A rank waits *continuously* only while nothing moves. A new wait begins (the episode number
+goes up) whenever a look finds the rank working, in another place, or when anything shows
+that the wait is moving data: the sequence numbers of its process groups changed (a loop of
+small collectives, each look landing in one of them), or the process wrote more than
+:data:`WRITTEN_BYTES` since the last look (gloo sends with ``write``; a long transfer of a big
+tensor is no hang). A wrong *working* only delays the report (the collective timeout stays the
+backstop); a wrong *waiting* would end a healthy run, so every doubt counts as progress.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from types import FrameType
+from typing import Callable
+
+__all__ = ["Look", "Progress", "bytes_written", "format_stack_of", "frame_of", "look_at"]
+
+# The places where a rank waits for its peers, as path endings (``/`` separated).
+_WAIT_FILES = (
+    "torch/distributed/distributed_c10d.py",
+    "torch/distributed/c10d_logger.py",
+    "torch/distributed/_functional_collectives.py",
+    "torch/distributed/_functional_collectives_impl.py",
+    "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py",
+    "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py",
+)
+_WAIT_FOLDERS = ("/deepspeed/comm/", "/scopedlite/_comm/")
+# Frames a wait calls into briefly and returns from (rank 0's end-of-block barrier asks the
+# supervisor at every poll whether a worker failed): seen innermost, they do not end a wait.
+_PASSING = ("/scopedlite/_launch/supervise.py",)
+# Our waits at the end of a launch block (through the store, or gloo's monitored barrier).
+_BLOCK_END = ("end_of_block_barrier", "final_gloo_barrier")
+# Library code: the caller named in a wait's description is the first frame outside these.
+_LIBRARIES = ("/torch/", "/deepspeed/", "/scopedlite/", "/contextlib.py", "/threading.py")
+
+#: More than this written by the process between two looks counts as progress (gloo sends a
+#: collective's data with ``write``; a hung rank writes nothing).
+WRITTEN_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Look:
+    """What one look at the main thread saw.
+
+    Attributes:
+        where: What the thread waits in, with the user's line that called it
+            (``"all_reduce (train.py:12)"``); None when it is working.
+        place: The innermost frame (file, line): a wait that moves is a new one.
+    """
+
+    where: str | None
+    place: tuple[str, int]
+
+    @property
+    def waiting(self) -> bool:
+        return self.where is not None
+
+
+def _normal(path: str) -> str:
+    return path.replace(os.sep, "/")
+
+
+def _is_wait(path: str) -> bool:
+    path = _normal(path)
+    return path.endswith(_WAIT_FILES) or any(folder in path for folder in _WAIT_FOLDERS)
+
+
+def look_at(frame: FrameType | None) -> Look:
+    """Classify a thread's innermost ``frame`` (see the module docstring)."""
+    while frame is not None and any(p in _normal(frame.f_code.co_filename) for p in _PASSING):
+        frame = frame.f_back
+    if frame is None:
+        return Look(None, ("", 0))
+    place = (frame.f_code.co_filename, frame.f_lineno or 0)
+    if not _is_wait(frame.f_code.co_filename):
+        return Look(None, place)
+    waits_in = frame.f_code.co_name  # the collective itself: all_reduce, barrier, wait_for_unshard
+    caller: FrameType | None = frame
+    while caller is not None and _is_wait(caller.f_code.co_filename):
+        if caller.f_code.co_name in _BLOCK_END:
+            waits_in = "the end of the launch block"
+        caller = caller.f_back
+    while caller is not None and any(lib in _normal(caller.f_code.co_filename) for lib in _LIBRARIES):
+        caller = caller.f_back
+    if caller is not None:
+        waits_in += f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+    return Look(waits_in, place)
+
+
+# A look at the main thread (sys._current_frames) holds CPython's thread-list lock, and a
+# finalizer run by a collection in the middle of it may let another thread take the GIL. A
+# fork at that moment (a DataLoader worker) would copy the lock held, and the child would
+# hang in its first thread-state clean-up (CPython 3.11). The fork waits for the look instead.
+_looking = threading.Lock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_looking.acquire, after_in_parent=_looking.release, after_in_child=_looking.release)
+
+
+def frame_of(thread: int) -> FrameType | None:
+    """The innermost Python frame of ``thread`` (an ident), seen from another thread.
+
+    ``sys._current_frames`` is CPython's documented way to see another thread's stack
+    (faulthandler's Python twin); the thread never stops for it.
+    """
+    with _looking:
+        return sys._current_frames().get(thread)
+
+
+def format_stack_of(thread: int) -> str:
+    """``thread``'s Python stack, innermost last, as a traceback shows it."""
+    frame = frame_of(thread)
+    return "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(no Python stack)"
+
+
+class Progress:
+    """Turns looks into wait episodes: the number goes up whenever the rank is not provably
+    standing still (see the module docstring).
+
+    Args:
+        sequence_numbers: The sequence numbers of this process's groups (each collective
+            moves one), or None where torch cannot say.
+        written: Bytes the process wrote so far, or None where the system cannot say.
+    """
+
+    def __init__(
+        self, sequence_numbers: Callable[[], tuple[int, ...] | None], written: Callable[[], int | None]
+    ) -> None:
+        self._sequence_numbers = sequence_numbers
+        self._written = written
+        self.episode = 0
+        self._last: tuple[Look, tuple[int, ...] | None, int | None] | None = None
+
+    def update(self, look: Look) -> int:
+        """Record one look; return the wait episode it belongs to."""
+        numbers, written = self._sequence_numbers(), self._written()
+        last, self._last = self._last, (look, numbers, written)
+        if last is None or not look.waiting:
+            self.episode += 1
+            return self.episode
+        before, numbers_before, written_before = last
+        moved = (
+            look != before
+            or numbers is None
+            or numbers != numbers_before
+            or (written is not None and written_before is not None and written - written_before > WRITTEN_BYTES)
+        )
+        if moved:
+            self.episode += 1
+        return self.episode
+
+
+def bytes_written() -> int | None:
+    """What this process wrote so far (``wchar`` of ``/proc/self/io``), None off Linux."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

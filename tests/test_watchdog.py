@@ -1,0 +1,222 @@
+"""The hang watchdog (scopedlite/_launch/watchdog.py, stall.py): a desync the library cannot
+foresee ends the run with where every rank waits, long before the collective timeout; a rank
+working alone never does; a SIGTERM ends a run stuck in a collective after a grace period.
+
+The first tests look at real frames of a real thread, whose code is compiled under the file
+names of the places they stand for; the last ones run real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from scopedlite._hardware.machine import Machine
+from scopedlite._launch.stall import WRITTEN_BYTES, Look, Progress, look_at
+from scopedlite._launch.watchdog import Limits
+from scopedlite._plan import resolve
+
+from conftest import SCRIPTS, _env
+
+SITE = "/venv/lib/python3.11/site-packages"
+USER = "/home/me/train.py"
+
+
+def _stack_of(chain: list[tuple[str, str]]) -> tuple[Look, threading.Lock, threading.Thread]:
+    """Run a thread through functions named and filed as ``chain`` (outermost first), the
+    innermost one blocked in C (a lock, as a collective blocks in C++), and look at it there."""
+    gate, there = threading.Lock(), threading.Event()
+    gate.acquire()
+    namespace: dict = {"gate": gate, "there": there}
+    inner = "there.set(); gate.acquire()"
+    for level, (name, filename) in reversed(list(enumerate(chain))):
+        code = f"def {name}():\n    {inner}\n"
+        exec(compile(code, filename, "exec"), namespace)  # noqa: S102 - a frame filed under that name
+        namespace[f"level{level}"] = namespace.pop(name)
+        inner = f"level{level}()"
+    thread = threading.Thread(target=namespace["level0"], daemon=True)
+    thread.start()
+    assert there.wait(10)
+    look = look_at(sys._current_frames()[thread.ident])
+    return look, gate, thread
+
+
+def _look(chain: list[tuple[str, str]]) -> Look:
+    look, gate, thread = _stack_of(chain)
+    gate.release()
+    thread.join()
+    return look
+
+
+def test_a_collective_is_a_wait_named_with_the_users_line():
+    look = _look(
+        [
+            ("main", USER),
+            ("all_reduce", "/repo/scopedlite/_api/collectives.py"),
+            ("all_reduce_tensor", "/repo/scopedlite/_comm/distributed.py"),
+            ("wrapper", f"{SITE}/torch/distributed/c10d_logger.py"),
+            ("all_reduce", f"{SITE}/torch/distributed/distributed_c10d.py"),
+        ]
+    )
+    assert look.waiting
+    assert look.where == "all_reduce (train.py:2)"
+
+
+def test_the_end_of_the_block_and_a_passing_check_are_a_wait():
+    look = _look(
+        [
+            ("main", USER),
+            ("final_barrier", "/repo/scopedlite/_launch/role.py"),
+            ("end_of_block_barrier", "/repo/scopedlite/_comm/distributed.py"),
+            ("raise_if_failed", "/repo/scopedlite/_launch/supervise.py"),  # rank 0 asks at every poll
+        ]
+    )
+    assert look.where == "the end of the launch block (train.py:2)"
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        # torchrun's @record wraps the whole program in a torch.distributed frame
+        [("wrapper", f"{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py"), ("main", USER)],
+        # a long backward: C++ under torch.autograd
+        [("main", USER), ("backward", f"{SITE}/torch/autograd/__init__.py")],
+        # rank 0 alone writing a checkpoint
+        [("main", USER), ("save", "/repo/scopedlite/_api/checkpoint.py"), ("save", f"{SITE}/torch/serialization.py")],
+    ],
+    ids=["torchrun-record", "backward", "save"],
+)
+def test_work_is_not_a_wait(chain):
+    assert not _look(chain).waiting
+
+
+def _waiting(place: int = 1) -> Look:
+    return Look("all_reduce (train.py:2)", ("distributed_c10d.py", place))
+
+
+def test_a_wait_is_one_episode_only_while_nothing_moves():
+    counts = {"numbers": (5, 2), "written": 1000}
+    progress = Progress(lambda: counts["numbers"], lambda: counts["written"])
+    first = progress.update(_waiting())
+    assert progress.update(_waiting()) == first  # standing still
+    counts["written"] += WRITTEN_BYTES // 2  # a few bytes (a log line) is no transfer
+    assert progress.update(_waiting()) == first
+    counts["numbers"] = (6, 2)  # a loop of short collectives, each look landing in one
+    assert progress.update(_waiting()) == first + 1
+    counts["written"] += 2 * WRITTEN_BYTES  # a long transfer
+    assert progress.update(_waiting()) == first + 2
+    assert progress.update(_waiting(place=9)) == first + 3  # another wait
+    assert progress.update(Look(None, (USER, 3))) == first + 4  # working
+    assert progress.update(_waiting()) == first + 5  # a new wait
+    assert progress.update(_waiting()) == first + 5
+
+
+def test_without_a_count_of_collectives_every_look_is_progress():
+    progress = Progress(lambda: None, lambda: None)
+    assert progress.update(_waiting()) != progress.update(_waiting())
+
+
+def test_a_sigterm_shortens_the_window_to_the_grace():
+    assert Limits(120.0, 30.0).window(stopping=False) == 120.0
+    assert Limits(120.0, 30.0).window(stopping=True) == 30.0
+    assert Limits(None, 30.0).window(stopping=False) is None
+    assert Limits(None, 30.0).window(stopping=True) == 30.0
+    assert Limits(10.0, 30.0).window(stopping=True) == 10.0
+    assert Limits(120.0, 30.0).interval == 2.0
+    assert Limits(2.0, None).interval == 0.5
+
+
+def _plan(env):
+    return resolve(strategy="ddp", devices=2, accelerator="cpu", env=env, machine=Machine(cpu_count=4))
+
+
+def test_the_limits_come_from_the_environment():
+    assert (_plan({}).hang_timeout, _plan({}).term_grace) == (120.0, 30.0)
+    plan = _plan({"SCOPEDLITE_HANG_TIMEOUT": "3", "SCOPEDLITE_TERM_GRACE": "off"})
+    assert (plan.hang_timeout, plan.term_grace) == (3.0, None)
+    assert _plan({"SCOPEDLITE_HANG_TIMEOUT": "0"}).hang_timeout is None
+    for bad in ("-1", "soon", "inf"):
+        with pytest.raises(ValueError, match=f"SCOPEDLITE_HANG_TIMEOUT='{bad}' is not valid.*0/off"):
+            _plan({"SCOPEDLITE_HANG_TIMEOUT": bad})
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def _line_of(text: str) -> int:
+    return 1 + next(i for i, line in enumerate((SCRIPTS / "stall.py").read_text().splitlines()) if text in line)
+
+
+def _assert_where_every_rank_waits(message: str) -> None:
+    collective = _line_of("lite.all_reduce(torch.ones(2))")
+    assert f"rank 0: waits in all_reduce (stall.py:{collective})" in message, message
+    assert "rank 1: waits in the end of the launch block (stall.py:" in message, message
+    assert f"rank 2: waits in all_reduce (stall.py:{collective})" in message, message
+    # and every rank's stack, as a collective timeout gives them
+    assert f'stall.py", line {collective}' in message.split("--- rank 0 ---")[1]
+    assert "--- rank 1 (done with the block's body" in message
+    assert f'stall.py", line {collective}' in message.split("--- rank 2 ---")[1]
+
+
+def _assert_no_survivors(pids: list[int]) -> None:
+    assert len(pids) == 3
+    for pid in pids:
+        if psutil.pid_exists(pid):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"
+
+
+@pytest.mark.timeout(90)
+def test_a_desync_is_ended_by_the_watchdog_not_the_collective_timeout(script):
+    """Under launch(timeout=300): only the watchdog (window 2 s) can end it within the test's
+    limit, and its report says so. Before that, rank 0 worked alone for three windows while
+    the others waited in lite.barrier(): that passed."""
+    result = script("stall", "stall", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    out = result.json()
+    assert out["barrier_passed"], result.explain()
+    assert out["error"] == "CollectiveTimeoutError", result.explain()
+    assert "every rank waits for the others (stall window 2 s, SCOPEDLITE_HANG_TIMEOUT)" in out["message"]
+    _assert_where_every_rank_waits(out["message"])
+    _assert_no_survivors(out["pids"])
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path):
+    """`timeout 120 python train.py` on a hung run: SIGTERM reaches rank 0 alone, whose main
+    thread is blocked in gloo and cannot run a Python handler. Stall detection is off here:
+    the grace after the SIGTERM (3 s) ends it, with every rank's place and stack."""
+    out = tmp_path / "sigterm.json"
+    env = {**_env(), "OUT": str(out), "SCOPEDLITE_HANG_TIMEOUT": "off", "SCOPEDLITE_TERM_GRACE": "3"}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "stall.py"), "sigterm"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{out}.ready") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]:
+            os.kill(pid, signal.SIGKILL)
+        raise
+    assert out.exists(), f"exit {proc.returncode}\n{stderr}"
+    result = json.loads(out.read_text())
+    assert result["error"] == "CollectiveTimeoutError", stderr
+    assert "A SIGTERM asked the run to stop, but it cannot reach a stop" in result["message"]
+    assert "grace after a SIGTERM: 3 s, SCOPEDLITE_TERM_GRACE" in result["message"]
+    _assert_where_every_rank_waits(result["message"])
+    _assert_no_survivors(result["pids"])
