@@ -19,6 +19,7 @@ from ._api.join import join as join
 from ._api.log import log as log
 from ._api.log import log_dict as log_dict
 from ._api.pretrained import load_pretrained as load_pretrained
+from ._api.profiling import profile as profile
 from ._api.progress import progress as progress
 from ._api.rank_zero import print as print
 from ._api.rank_zero import rank_zero_first as rank_zero_first

@@ -300,6 +300,8 @@ def test_examples_print_what_their_comments_say(examples_run):
     assert "{'loss': tensor(1.), 'count': 2}" in printed("api.md", "'count': 2")
     assert "[[0], [1]] [0, 1, 2, 0, 1]" in printed("api.md", "'count': 2")  # gather_for_metrics: 3 + 2 rows
     assert "gathered 21 samples" in printed("uneven-data.md", "gathered ")  # each sample once inside join
+    assert "['rank0.step4.pt.trace.json', 'rank1.step4.pt.trace.json']" in printed("profiling.md", "step4")
+    assert "['rank0.step3.pt.trace.json']" in printed("profiling.md", "step3")  # ranks=[0]: rank 1 wrote nothing
 
 
 def test_docs_site_builds_with_warnings_as_errors(tmp_path):
