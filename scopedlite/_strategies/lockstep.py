@@ -100,6 +100,7 @@ class GatherLedger:
         self.method_name = ""
         self.collectives = 0  # collectives of ours entered
         self.ended = False  # the end of the launch block reached
+        self.epoch = 0  # lite.join blocks left: each starts the counts again, on every rank
 
     @classmethod
     def of_default_group(
@@ -151,6 +152,17 @@ class GatherLedger:
         self.collectives += 1
         self._write()
 
+    def realign(self) -> None:
+        """Every rank left a ``lite.join`` block together. Inside it the join protocol keeps
+        forwards in step (a rank out of data replays the others'), and the counts of forwards
+        and of collectives need not agree (a replay is not the forward it mirrors, a serving
+        rank's rounds are not the running rank's collectives): all counts start again here,
+        in a new epoch that only entries of the same epoch are compared in."""
+        self.epoch += 1
+        self.step = self.method_step = self.collectives = 0
+        self.method_name = ""
+        self._write()
+
     def leave_block(self) -> None:
         """This rank reached the end of its launch block: no later step of another rank
         will be met by this one."""
@@ -190,7 +202,7 @@ class GatherLedger:
                 f"The {self.strategy} run this model was set up in has ended: its parameters can no "
                 "longer be gathered. Use the model inside its `with lite.launch(...)` block."
             )
-        entry = f"{self.step}:{self.method_step}:{self.collectives}:{int(self.ended)}:{self.method_name}"
+        entry = f"{self.epoch}:{self.step}:{self.method_step}:{self.collectives}:{int(self.ended)}:{self.method_name}"
         self.store.set(self._key(self.rank), entry)
 
     def _key(self, rank: int) -> str:
@@ -210,11 +222,12 @@ class GatherLedger:
             waiting = []
             for r, value in zip(pending, values):
                 entry = _Entry.parse(value)
-                if entry.step >= self.step:  # its entry for this step is its latest method, or a forward
+                same = entry.epoch == self.epoch  # counts of another epoch do not compare
+                if same and entry.step >= self.step:  # its entry for this step: its latest method, or a forward
                     seen[r] = entry.name if entry.method_step == self.step else _FORWARD
                 elif entry.ended:
                     seen[r] = _ENDED
-                elif entry.collectives > self.collectives:  # where this rank has not been
+                elif same and entry.collectives > self.collectives:  # where this rank has not been
                     seen[r] = _IN_COLLECTIVE
                 else:
                     waiting.append(r)
@@ -271,6 +284,7 @@ class Nesting:
 class _Entry:
     """One rank's line in the ledger (see :meth:`GatherLedger._write`)."""
 
+    epoch: int = 0
     step: int = 0
     method_step: int = 0
     collectives: int = 0
@@ -281,8 +295,8 @@ class _Entry:
     def parse(cls, value: bytes) -> _Entry:
         if not value:
             return cls()
-        step, method_step, collectives, ended, name = value.decode().split(":", 4)
-        return cls(int(step), int(method_step), int(collectives), ended == "1", name)
+        epoch, step, method_step, collectives, ended, name = value.decode().split(":", 5)
+        return cls(int(epoch), int(step), int(method_step), int(collectives), ended == "1", name)
 
 
 def _others(seen: dict[int, str], what: str) -> str:

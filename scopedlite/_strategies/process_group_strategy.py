@@ -124,6 +124,12 @@ class ProcessGroupStrategy(Strategy):
         self.note_collective()
         _distributed.barrier(self._backend, self.placement.device)
 
+    def join_left(self) -> None:
+        """Every rank left a ``lite.join`` block together: the gather ledger starts its count
+        again there (inside the block the join protocol kept forwards in step, not the ledger)."""
+        if self._ledger is not None:
+            self._ledger.realign()
+
     def note_collective(self) -> None:
         """A rank gathering alone learns from the ledger that this one waits in a collective."""
         if self._ledger is not None:

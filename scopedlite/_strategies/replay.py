@@ -182,6 +182,7 @@ class ReplaySession:
         try:
             if exc_type is None:
                 self._leave()
+                self.strategy.join_left()  # every rank leaves here, in step with the others
             elif (
                 self.rounds
                 and isinstance(exc, Exception)
