@@ -92,7 +92,8 @@ def held_by_python_only(tensor: torch.Tensor) -> bool:
     tensors; ``Tensor._use_count()`` is the reference count of the tensor's ``TensorImpl``,
     1 when only the Python object holds it. Checked against torch 2.13.0.
     """
-    return int(tensor._use_count()) <= 1
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is None or int(use_count()) <= 1  # without it: let go at once, as before
 
 
 def storage_key(tensor: torch.Tensor) -> int:
