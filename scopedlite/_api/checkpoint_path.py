@@ -23,6 +23,7 @@ import torch
 
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
+from scopedlite._comm.wire import gather_objects
 
 __all__ = ["check_same_path"]
 
@@ -54,18 +55,9 @@ def check_same_path(path: str | os.PathLike[str], caller: str) -> None:
 
 
 def _every_rank(target: Any, rank: int, path: str, device: torch.device) -> dict[int, str]:
-    """Each rank's path (only after the digests differed: the ranks all know to call this)."""
-    encoded = f"{rank}\0{path}".encode()
-    length = int(target.all_reduce(torch.tensor([len(encoded)], device=device), "max").item())
-    row = torch.zeros(length, dtype=torch.uint8)
-    row[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    rows = target.all_gather(row.to(device)).cpu()
-    paths = {}
-    for gathered in rows:
-        text = bytes(gathered.tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
-        who, _, where = text.partition("\0")
-        paths[int(who)] = where
-    return paths
+    """Each rank's path (only after the digests differed: the ranks all know to call this).
+    Inside ``lite.join`` the session gathers from the ranks still running: each names itself."""
+    return dict(gather_objects((rank, path), target.all_gather, device))
 
 
 def _message(caller: str, paths: dict[int, str]) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from scopedlite._comm.wire import gather_objects
+
 __all__ = ["CollectiveMismatchError", "check_same_collective", "debug_enabled"]
 
 # The scopedlite package folder (this file is in scopedlite/_comm/).
@@ -67,14 +69,7 @@ def check_same_collective(target: Any, rank: int, device: torch.device, what: st
     ``target`` is the strategy or join session whose ``all_gather`` carries the exchange
     (inside ``lite.join`` only the active ranks take part, which is what must agree).
     """
-    site = call_site()
-    data = f"{what}\x00{site}".encode()
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = target.all_gather(length).flatten().tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = target.all_gather(padded)
-    entries = [bytes(row[:n].tolist()).decode().split("\x00") for row, n in zip(rows.cpu(), lengths)]
+    entries = gather_objects((what, call_site()), target.all_gather, device)
     if len({e[0] for e in entries}) > 1:
         table = "\n".join(f"  rank {r}: {e[0]} at {e[1]}" for r, e in enumerate(entries))
         raise CollectiveMismatchError(

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from scopedlite._comm.debug import CollectiveMismatchError
-from scopedlite._comm.wire import DTYPES, TORCH_OPS, from_bytes, to_bytes
+from scopedlite._comm.wire import DTYPES, TORCH_OPS, gather_objects
 
 __all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "first_dims"]
 
@@ -113,7 +113,7 @@ def first_dims(call: Call, gather: Gather) -> list[list[int]]:
     if bool((rows[:, 0] < ROW).all()):
         descriptions = [row[1 : 1 + int(row[0])].tolist() for row in rows]
     else:  # a nest too big for a row: the descriptions themselves
-        descriptions = [d for _, _, d in _gather_objects((0, "", description), gather)]
+        descriptions = [d for _, _, d in gather_objects((0, "", description), gather)]
     if any(_without_first_dims(d) != _without_first_dims(descriptions[0]) for d in descriptions):
         _refuse(call, gather)
     return [_first_dims(d) for d in descriptions]
@@ -121,7 +121,7 @@ def first_dims(call: Call, gather: Gather) -> list[list[int]]:
 
 def _refuse(call: Call, gather: Gather) -> None:
     """Every rank is here together: exchange what each called, and raise the same error."""
-    seen = _gather_objects((call.rank, call.shown(), call.description()), gather)
+    seen = gather_objects((call.rank, call.shown(), call.description()), gather)
     table = "\n".join(f"  rank {rank}: lite.{_KINDS[d[0]]}{_op_text(d[1])} of {shown}" for rank, shown, d in seen)
     descriptions = [d for _, _, d in seen]
     if len({(d[0], d[1]) for d in descriptions}) > 1:
@@ -193,13 +193,3 @@ def _digest(data: bytes) -> int:
     """56 bits of BLAKE2b: non-negative in an int64, the same in every process (``hash()``
     of a str is salted per process)."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "big")
-
-
-def _gather_objects(obj: Any, gather: Gather) -> list[Any]:
-    """Every taking-part rank's ``obj``, in rank order: lengths first, then padded bytes."""
-    payload = to_bytes(obj)
-    lengths = gather(torch.tensor([payload.numel()], dtype=torch.int64)).flatten().tolist()
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    rows = gather(padded)
-    return [from_bytes(row[:n]) for row, n in zip(rows, lengths)]

@@ -10,14 +10,14 @@ from __future__ import annotations
 import ctypes
 import io
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from scopedlite._core.structures import map_tensors
 
-__all__ = ["DTYPES", "MAX_DIMS", "TORCH_OPS", "from_bytes", "neutral_value", "to_bytes", "wire_dtype"]
+__all__ = ["DTYPES", "MAX_DIMS", "TORCH_OPS", "from_bytes", "gather_objects", "neutral_value", "to_bytes", "wire_dtype"]
 
 # Codes for dtypes in headers sent between ranks. Order is part of the wire format.
 DTYPES: tuple[torch.dtype, ...] = (
@@ -56,6 +56,21 @@ def to_bytes(obj: Any) -> torch.Tensor:
 def from_bytes(payload: torch.Tensor) -> Any:
     data = payload.cpu().contiguous()
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))
+
+
+def gather_objects(
+    obj: Any, gather: Callable[[torch.Tensor], torch.Tensor], device: torch.device | None = None
+) -> list[Any]:
+    """Every taking-part rank's picklable ``obj``, in rank order, through ``gather`` (a
+    strategy's or join session's ``all_gather``, which stacks every rank's tensor): the
+    lengths first, then the bytes padded to the longest. ``device``: where the tensors are
+    handed to ``gather`` (CPU unless given)."""
+    payload = to_bytes(obj).to(device)
+    lengths = gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).flatten().tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    rows = gather(padded).cpu()
+    return [from_bytes(row[:n]) for row, n in zip(rows, lengths)]
 
 
 def neutral_value(dtype: torch.dtype, op: str) -> float | int | bool:
