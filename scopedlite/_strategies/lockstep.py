@@ -174,7 +174,7 @@ class GatherLedger:
         Returns ``(None, seen)`` when all ranks do ``what`` there, else ``(callers, seen)``,
         with this rank's step taken back (nothing was gathered: it is still in step with the
         others and may go on, e.g. to the forward they went on to, if it catches the error)."""
-        before = self.method_step, self.method_name
+        before = self.step, self.method_step, self.method_name
         self.step += 1
         self.method_step, self.method_name = self.step, what
         self._write()
@@ -182,8 +182,7 @@ class GatherLedger:
         callers = sorted(r for r, done in seen.items() if done == what)
         if len(callers) == self.world_size:
             return None, seen
-        self.step -= 1
-        self.method_step, self.method_name = before
+        self.step, self.method_step, self.method_name = before
         self._write()
         return callers, seen
 
@@ -223,7 +222,19 @@ class GatherLedger:
             for r, value in zip(pending, values):
                 entry = _Entry.parse(value)
                 same = entry.epoch == self.epoch  # counts of another epoch do not compare
-                if same and entry.step >= self.step:  # its entry for this step: its latest method, or a forward
+                if (
+                    same
+                    and entry.step > self.step
+                    and entry.method_step == entry.step
+                    and entry.name == self.method_name
+                ):
+                    # In the same call as this rank, at a later number: no rank passes a checked
+                    # step alone, so the counts drifted (a forward one rank counted and another
+                    # did not): both take the later number.
+                    self.step = self.method_step = entry.step
+                    self._write()
+                    seen[r] = entry.name
+                elif same and entry.step >= self.step:  # its entry for this step: its latest method, or a forward
                     seen[r] = entry.name if entry.method_step == self.step else _FORWARD
                 elif entry.ended:
                     seen[r] = _ENDED
