@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -90,20 +91,45 @@ class Parent(Role):
         assert self.supervisor is not None
         n = self.plan.local_world_size
         self.lines = install_rank_prefix(0)
+        supervisor = self.supervisor
         try:
+            supervisor.arm()  # a worker failing interrupts the waits for the group
             self._wait_for_workers(n)
             world = World("scopedlite", 0, 0, 0, n, n, "127.0.0.1", self.store.port)
-            run = self.start_run(world, Rendezvous(world, self.store), forward=self.supervisor.signal_all)
-            supervisor = self.supervisor
+            run = self.start_run(world, Rendezvous(world, self.store), forward=supervisor.signal_all)
             self.start_watchdog(lambda: supervisor.sigterm_seen or stop_requested(), end_run=supervisor.end_stalled)
+            supervisor.disarm()  # until the body begins (`body_begins`)
             return run
-        except _Interrupted:
-            failures = self.supervisor.failures()
-            self.cleanup()
-            raise WorkerFailedError(failures) from None
-        except BaseException:
-            self.cleanup()
-            raise
+        except BaseException as exc:
+            error = self._failed_to_enter(exc)
+            if error is exc:
+                raise
+            raise error from None
+
+    def _failed_to_enter(self, exc: BaseException) -> BaseException:
+        """What to raise when entering failed with ``exc``: a worker's failure, when one failed
+        and rank 0 only saw its effect (the interrupt, or gloo's "Connection closed by peer"
+        from a peer that was stopped because of it), else ``exc``. Stops everything."""
+        supervisor = self.supervisor
+        assert supervisor is not None
+        try:
+            supervisor.disarm()
+        except _Interrupted as late:  # the one interrupt came while ``exc`` was being handled
+            exc = late
+        interrupted = isinstance(exc, _Interrupted)
+        failures = supervisor.wait_for_failure(0.0 if interrupted else 0.5)
+        supervisor.kill_all()
+        if self.run is not None:  # the group was made: leave it (not waiting for the others)
+            stop_quietly(self.run.strategy)
+        self.cleanup()
+        own = RankFailure(0, None, "".join(traceback.format_exception(exc)))
+        if failures and (interrupted or is_consequence(own)):
+            return WorkerFailedError(failures)
+        return exc
+
+    def body_begins(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.arm()
 
     def _wait_for_workers(self, n: int) -> None:
         """Wait, in Python, until every worker reached the store, or one exited or failed.

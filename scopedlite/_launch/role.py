@@ -69,6 +69,10 @@ class Role(ABC):
     def enter(self) -> Run:
         """Start this process's part of the run and return its :class:`Run`."""
 
+    def body_begins(self) -> None:  # noqa: B027 - a no-op unless the role supervises workers
+        """The block's body starts: a role that supervises workers interrupts the main thread
+        when one fails, from here until :meth:`quiet`."""
+
     def quiet(self) -> None:  # noqa: B027 - a no-op unless the role supervises workers
         """Stop interrupting the main thread asynchronously: the block has ended (a role that
         supervises workers interrupts it when one fails)."""

@@ -86,6 +86,7 @@ class _Launch(Scope[Run]):
         run = self.role.enter()
         self.metrics = MetricLog(plan.loggers, write=run.is_global_zero)
         _run.launches.add(self)  # threads started in the block find the run (_core/run.py)
+        self.role.body_begins()  # last: a worker's failure interrupts what `_exit` reports
         return run
 
     def _role_for(self, plan: Plan, identity: str) -> Role:

@@ -103,7 +103,9 @@ class WorkerFailedError(RuntimeError):
         return tuple(f.rank for f in self.failures)
 
 
-_SCOPE_EXIT = Scope.__exit__.__code__  # where an interrupt waits for the next poll
+# Where an interrupt waits for the next poll: a scope being entered (its bookkeeping after
+# `_enter`, which no `__exit__` would undo) or left (see `Supervisor._on_interrupt`).
+_DEFERRING = (Scope.__enter__.__code__, Scope.__exit__.__code__)
 
 
 class _Interrupted(BaseException):
@@ -217,8 +219,13 @@ class Supervisor:
                 os.close(write)
             else:
                 self._wakeup_read, self._wakeup_write = read, write
-            self._armed = True
         self._thread.start()
+
+    def arm(self) -> None:
+        """Interrupt the main thread when a worker fails, from now until :meth:`disarm` (or
+        the one interrupt): while rank 0 waits for its group, and through the block's body.
+        A failure found while disarmed interrupts at once when armed again."""
+        self._armed = self._in_main
 
     def disarm(self) -> None:
         """Stop interrupting the main thread (called first thing when the block exits)."""
@@ -254,8 +261,10 @@ class Supervisor:
                     # the diagnosis (lite.CollectiveTimeoutError). Ask them before they go.
                     self.stacks = collect_stacks(self.workers, self.error_dir)
                 self.kill_all()
-                if self._armed:  # the handler disarms when it raises
-                    signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
+            if self._failed.is_set() and self._armed:
+                # Every poll until the handler raises (and disarms): it lets one pass where
+                # raising would be lost, and a failure found while disarmed waits for `arm`.
+                signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
             self._stop.wait(POLL_SECONDS)
 
     @property
@@ -271,9 +280,7 @@ class Supervisor:
         self.stacks = collect_stacks(self.workers, self.error_dir)
         self.stall = diagnosis
         self._failed.set()
-        self.kill_all()
-        if self._armed:
-            signal.pthread_kill(self._main_ident, INTERRUPT_SIGNAL)  # type: ignore[arg-type]
+        self.kill_all()  # the next poll interrupts the main thread, whose collective then fails
 
     def _drain_signals(self) -> None:
         try:
@@ -291,9 +298,10 @@ class Supervisor:
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         # Not while a scope is being left: the block's own exception (gloo's "Connection reset",
         # when the failed rank's peer noticed first) is already on its way to launch's exit,
-        # which reports the failure; raising there would replace it, unreported. Still armed,
-        # so the next poll interrupts again if the main thread goes on waiting.
-        if self._armed and getattr(frame, "f_code", None) is not _SCOPE_EXIT:
+        # which reports the failure; raising there would replace it, unreported. Nor while one
+        # is being entered, after its `_enter`: no `__exit__` would report it. Still armed, so
+        # the next poll interrupts again if the main thread goes on.
+        if self._armed and getattr(frame, "f_code", None) not in _DEFERRING:
             self._armed = False
             raise _Interrupted()
 

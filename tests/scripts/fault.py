@@ -5,7 +5,8 @@ argv: rank mode point
          kill_loader (SIGKILL of a rank whose DataLoader workers are running) |
          exit0 (sys.exit(0): the rank leaves the block early) |
          skip (the rank skips the last all_reduce and goes to the end of the block)
-  point: init (right after launch) | forward (inside the model's forward) |
+  point: init (right after launch) | entry (while rank 0 is still entering the launch block,
+         its group made: its MetricLog is slowed until the failure is found) | forward (inside the model's forward) |
          collective (the others wait in an all_reduce) | save (while rank 0 saves)
 """
 
@@ -47,6 +48,22 @@ def fail() -> None:
         time.sleep(5)
 
 
+if point == "entry":  # rank 0 (the one that writes metrics) sits in launch's entry until the fault
+    import scopedlite._loggers.base as loggers
+
+    plain_init = loggers.MetricLog.__init__
+
+    def slow_init(self, loggers, write):
+        if write:
+            (marks / "entering").write_text("")
+            deadline = time.time() + 10
+            while time.time() < deadline and not (marks / "fault").exists():
+                time.sleep(0.01)
+            time.sleep(0.5)  # the supervisor polls every 50 ms
+        plain_init(self, loggers, write)
+
+    loggers.MetricLog.__init__ = slow_init
+
 outcome = {}
 try:
     with lite.launch(strategy="ddp", devices=DEVICES, accelerator="cpu", timeout=TIMEOUT) as run:
@@ -58,6 +75,10 @@ try:
             for child in psutil.Process().children():
                 (marks / f"pid{me}-loader{child.pid}").write_text(str(child.pid))
         if point == "init" and me == rank_to_fail:
+            fail()
+        if point == "entry" and me == rank_to_fail:
+            while not (marks / "entering").exists():
+                time.sleep(0.01)
             fail()
         model = lite.setup(torch.nn.Linear(4, 1))
         if point == "forward" and me == rank_to_fail:
