@@ -36,6 +36,7 @@ from ._api.sharded_init import sharded_init as sharded_init
 from ._api.stop import should_stop as should_stop
 from ._api.sync import no_backward_sync as no_backward_sync
 from ._comm.debug import CollectiveMismatchError as CollectiveMismatchError
+from ._comm.replicas import ReplicaValuesDifferError as ReplicaValuesDifferError
 from ._comm.signature import ShapeMismatchError as ShapeMismatchError
 from ._core.run import Run as Run
 from ._core.scope import ScopeError as ScopeError

@@ -87,6 +87,8 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "compile_target": lambda module: module,
     "all_reduce": lambda tensor, op: tensor.clone(),
     "all_gather": lambda tensor: torch.stack([tensor, tensor]),
+    "all_reduce_replicas": lambda tensor, op: tensor.clone(),
+    "all_gather_replicas": lambda tensor: torch.stack([tensor, tensor]),
     "broadcast": lambda obj, src: obj,
     "barrier": lambda: None,
 }

@@ -101,7 +101,9 @@ def _joined_reference(divisors: tuple[str, str] = ("initial", "running")) -> dic
         losses, norms = [], []
         for step in range(max(map(len, batches))):
             running = [d for d in range(2) if step < len(batches[d])]
-            per_replica = [torch.nn.functional.mse_loss(model(x[batches[d][step]]), y[batches[d][step]]) for d in running]
+            per_replica = [
+                torch.nn.functional.mse_loss(model(x[batches[d][step]]), y[batches[d][step]]) for d in running
+            ]
             losses.append(float(sum(per_replica).detach()) / len(running))
             (sum(per_replica) / (2 if divisor == "initial" else len(running))).backward()
             if len(blocks) == 0:
@@ -129,7 +131,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     assert result.returncode == 0, result.explain()
     out = result.json()
     ranks = out["per_rank"]
-    assert len(ranks) == 4 and out["ranks"] == 4  # all_gather spans the whole world
+    assert len(ranks) == 4 and out["ranks"] == 2  # all_gather: one row per replica
 
     # the mesh built at launch; rank r is replica r // 2
     for r, mine in enumerate(ranks):
@@ -166,6 +168,14 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
         assert mine["norms"]["inf"] == pytest.approx(norms["inf"], rel=1e-5)
     assert norms["2"] > CLIP_NORM  # clipping by norm really happened
     assert out["eval_mean"] == pytest.approx(eval_mean, rel=1e-5)
+    # the collectives count each replica once, as ddp counts each rank (not each process:
+    # 2 * N_EVAL), and refuse a replica whose ranks disagree, on every rank
+    for r, mine in enumerate(ranks):
+        assert mine["eval_count"] == N_EVAL
+        assert sorted(mine["eval_gathered"]) == list(range(N_EVAL))
+        assert mine["replica_mean"] == 0.5 and mine["replica_gather"] == [0, 1]
+        assert "ranks 0 and 1 of replica 0 passed different values" in mine["replica_error"], mine["replica_error"]
+        assert "rank 1: [1.0, 1.0] (float32[2])" in mine["replica_error"]
 
     # checkpoint round trips on the same mesh are exact: values, outputs, the next step (AdamW state)
     for kind in ("sharded", "full.pt"):
@@ -208,13 +218,13 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     for r, mine in enumerate(ranks):
         for block, expected, divide in zip(mine["join"][:2], reference["blocks"][:2], (True, False)):
             assert block["rows"] == JOIN_SHARES[r // 2], (r, divide)  # 20 or 12 rows, each once
-            assert block["seen"] == 2 * N_TRAIN  # every process of both replicas counted its rows
+            assert block["seen"] == N_TRAIN  # each replica counted its rows once
             assert block["losses"] == pytest.approx(expected["losses"][: len(block["losses"])], rel=1e-5)
             assert block["norms"] == pytest.approx(expected["norms"][: len(block["norms"])], rel=1e-5)
             assert _max_diff(block["params"], expected["params"]) < 1e-5, (r, divide)
     for r, mine in enumerate(ranks):  # a replica with no data, replica 0 in an accumulation window
         block, expected = mine["join"][2], reference["blocks"][2]
-        assert block["rows"] == JOIN_EMPTY_SHARES[r // 2] and block["seen"] == 2 * len(JOIN_EMPTY_SHARES[0])
+        assert block["rows"] == JOIN_EMPTY_SHARES[r // 2] and block["seen"] == len(JOIN_EMPTY_SHARES[0])
         assert _max_diff(block["params"], expected["params"]) < 1e-5, r
         assert _max_diff(block["params"], mine["join"][1]["params"]) > 1e-3  # it did train
     assert len(ranks[0]["join"][0]["losses"]) == 5 and len(ranks[2]["join"][0]["losses"]) == 3
@@ -226,9 +236,15 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     # no_grad evaluation inside join sees every sample once (5 rows and 4 rows: 2 and 1 batches)
     for r, mine in enumerate(ranks):
         assert mine["join_eval"]["rows"] == list(range(N_JOIN_EVAL))[r // 2 :: 2]
-        sse, count = mine["join_eval"]["totals"]  # summed over all 4 processes: each sample twice
-        assert count == 2 * N_JOIN_EVAL
+        sse, count = mine["join_eval"]["totals"]  # each replica once
+        assert count == N_JOIN_EVAL
         assert sse / count == pytest.approx(reference["eval_mean"], rel=1e-5)
+    # gathered per batch: each sample once on replica 0, which ran the last batch alone
+    # (replica 1 had left by then: it has the first batch's gather only)
+    assert sorted(ranks[0]["join_eval"]["gathered"]) == list(range(N_JOIN_EVAL))
+    assert ranks[0]["join_eval"]["gathered"] == ranks[1]["join_eval"]["gathered"]
+    first_batches = list(range(0, 2 * BATCH, 2)) + list(range(1, 2 * BATCH, 2))
+    assert ranks[2]["join_eval"]["gathered"] == ranks[3]["join_eval"]["gathered"] == first_batches
 
     # refusals: a replica whose ranks are not in step (on every rank, at once: nobody hangs),
     # a plan that leaves the replicas apart
@@ -295,8 +311,12 @@ def test_the_command_line_name_agrees_with_an_instance_of_its_own_kind_only():
     plan = lite.resolve(strategy=instance, accelerator="cpu", env=env, machine=machine)
     assert plan.strategy.data_parallel == 2 and plan.world_size == 4  # the script's instance, with its plan
     with pytest.raises(ValueError, match="--strategy fsdp"):  # an FSDPStrategy subclass, yet not fsdp
-        lite.resolve(strategy=instance, accelerator="cpu", env={**env, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}, machine=machine)
-    plan = lite.resolve(strategy=lite.FSDPStrategy(), accelerator="cpu", env={**env, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}, machine=machine)
+        lite.resolve(
+            strategy=instance, accelerator="cpu", env={**env, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}, machine=machine
+        )
+    plan = lite.resolve(
+        strategy=lite.FSDPStrategy(), accelerator="cpu", env={**env, "SCOPEDLITE_CLI_STRATEGY": "fsdp"}, machine=machine
+    )
     assert plan.strategy.name == "fsdp"
 
 
@@ -318,6 +338,8 @@ def test_a_replica_runs_waits_and_leaves_as_one():
     split = Round([forward, forward, left, forward]).replica_problem(replicas)
     assert "replica 1 (ranks 2, 3) are not in step (rank 2: left the block; rank 3: a forward of model 0)" in split
     passes = [Opener(Kind.PASS, length=n).encode() for n in (5, 5, 3, 2)]  # the lengths agreed at a pass
-    assert "rank 2: a new pass over a loader at site #0 of 3 batches; rank 3: a new pass" in Round(passes).replica_problem(replicas)
+    assert "rank 2: a new pass over a loader at site #0 of 3 batches; rank 3: a new pass" in Round(
+        passes
+    ).replica_problem(replicas)
     waiting = [forward, forward, Opener(Kind.COLLECTIVE, ended=1).encode(), forward]  # rank 2 ahead of rank 3
     assert "rank 2: waits at a lite collective" in Round(waiting).replica_problem(replicas)

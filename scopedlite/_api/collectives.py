@@ -116,10 +116,18 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
         back as numbers; on several processes a mean of ints comes back as a float. On one
         process the input itself is returned, as every collective does there.
 
+    Under ``model_parallel`` the reduction counts each data-parallel replica once, as
+    ``ddp`` counts each rank: a replica's tensor-parallel ranks read the same batches and
+    must pass the same value (a ``mean`` divides by the number of replicas). It is then an
+    all-gather over every rank and a reduction on each, whose cost grows with the world
+    size. ``broadcast`` and ``barrier`` still span every rank.
+
     Raises:
         ShapeMismatchError: On every rank, where the ranks' leaves differ in shape or dtype
             (or their nests in structure), naming each rank's; ``CollectiveMismatchError``
             where their ops differ.
+        ReplicaValuesDifferError: On every rank, under ``model_parallel``, where the ranks
+            of one replica passed different values, naming them.
     """
     if op not in REDUCE_OPS:
         raise ValueError(
@@ -134,7 +142,7 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
     for tensor in tensors:
         _check(run, target, describe("all_reduce", tensor, op=op))
     _checked(run, target, "all_reduce", op, data, tensors)
-    return _rebuilt(data, [_back(target.all_reduce(t, op), leaf) for t, leaf in zip(tensors, leaves)])
+    return _rebuilt(data, [_back(target.all_reduce_replicas(t, op), leaf) for t, leaf in zip(tensors, leaves)])
 
 
 def _reduced_form(leaf: Any, op: str, device: torch.device) -> torch.Tensor:
@@ -153,7 +161,8 @@ def all_gather(data: Any) -> Any:
     naming each rank's (for batches whose length differs by rank, use
     :func:`gather_for_metrics`). On one process the input comes back with a leading
     dimension of 1. Inside ``lite.join`` the leading dimension holds the ranks still active,
-    in rank order.
+    in rank order. Under ``model_parallel`` it holds each data-parallel replica once (see
+    :func:`all_reduce`).
     """
     run = current()
     if run.world_size == 1:
@@ -163,7 +172,7 @@ def all_gather(data: Any) -> Any:
     for tensor in tensors:
         _check(run, target, describe("all_gather", tensor))
     _checked(run, target, "all_gather", None, data, tensors)
-    return _rebuilt(data, [target.all_gather(t) for t in tensors])
+    return _rebuilt(data, [target.all_gather_replicas(t) for t in tensors])
 
 
 def gather_for_metrics(data: Any) -> Any:
@@ -177,7 +186,8 @@ def gather_for_metrics(data: Any) -> Any:
     ``lite.ShapeMismatchError`` naming each rank's shape. On one process ``data`` comes back
     as it is (numbers and 0-d tensors as 1-D tensors of one value).
 
-    Inside ``lite.join`` the ranks that ran out of data contribute nothing, and a set-up
+    Under ``model_parallel`` each data-parallel replica's rows come once (see
+    :func:`all_reduce`). Inside ``lite.join`` the ranks that ran out of data contribute nothing, and a set-up
     loader there pads nothing, so every sample of the dataset is gathered exactly once.
     Outside it, a set-up loader pads its pass as ``DistributedSampler`` does (the last
     ranks repeat the first samples to even out the counts); those repeats are gathered like
@@ -192,7 +202,7 @@ def gather_for_metrics(data: Any) -> Any:
     target = _target(run)
     for tensor in tensors:
         _check(run, target, describe("gather_for_metrics", tensor, rows_differ=True))
-    lengths = first_dims(_call(run, "gather_for_metrics", None, data, tensors), target.all_gather)
+    lengths = first_dims(_call(run, "gather_for_metrics", None, data, tensors), target.all_gather_replicas)
     return _rebuilt(data, [_concatenated(target, t, [ranks[i] for ranks in lengths]) for i, t in enumerate(tensors)])
 
 
@@ -201,14 +211,14 @@ def _is_scalar(leaf: Any) -> bool:
 
 
 def _concatenated(target: Any, tensor: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Each rank's ``lengths[r]`` rows of ``tensor``, in rank order: padded to the longest,
+    """Each replica's ``lengths[r]`` rows of ``tensor``, in order: padded to the longest,
     gathered, and cut back."""
     longest = max(lengths)
     if longest == 0:  # no rank has a row: nothing to send, and this rank's empty tensor is the result
         return tensor
     if len(tensor) < longest:
         tensor = torch.cat([tensor, tensor.new_zeros((longest - len(tensor), *tensor.shape[1:]))])
-    rows = target.all_gather(tensor)
+    rows = target.all_gather_replicas(tensor)
     return torch.cat([rows[r, :n] for r, n in enumerate(lengths)])
 
 

@@ -155,6 +155,17 @@ class Strategy(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    def all_reduce_replicas(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """``lite.all_reduce``'s reduction: each data-parallel replica counted once. Every
+        rank is a replica of its own, so this is :meth:`all_reduce`, unless the strategy
+        splits a replica over several processes (``model_parallel``: ``_comm/replicas.py``)."""
+        return self.all_reduce(tensor, op)
+
+    def all_gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``lite.all_gather``'s and ``lite.gather_for_metrics``' gather: one row per
+        data-parallel replica (see :meth:`all_reduce_replicas`)."""
+        return self.all_gather(tensor)
+
     # -- checkpoints ---------------------------------------------------------------------
     def module_state(self, module: torch.nn.Module) -> dict[str, Any]:
         return self.unwrap(module).state_dict()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._comm.payloads import keep
+from scopedlite._comm.replicas import one_per_replica
 from scopedlite._comm.wire import (
     DTYPES,
     MAX_DIMS,
@@ -107,12 +108,23 @@ class JoinCollectives:
         return work.to(original.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows, _ = self._gathered(tensor)
+        return rows
+
+    def all_gather_replicas(self, tensor: torch.Tensor, replicas: tuple[int, ...]) -> torch.Tensor:
+        """One row per running replica (``_comm/replicas.py``); ``replicas``: each rank's."""
+        rows, runners = self._gathered(tensor)
+        return one_per_replica(rows, runners, replicas)
+
+    def _gathered(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The running ranks' ``tensor``, stacked in rank order, and those ranks."""
         work = tensor.detach().to(self.device).contiguous()
         round_ = self.announce(Header(GATHER, 0, *_describe_tensor(work)))
         parts = [torch.empty_like(work) for _ in range(self.world_size)]
         dist.all_gather(parts, work)
         keep(work, *parts)
-        return torch.stack([parts[r] for r in round_.runners]).to(tensor.device)
+        runners = list(round_.runners)
+        return torch.stack([parts[r] for r in runners]).to(tensor.device), runners
 
     def broadcast(self, obj: Any, src: int) -> Any:
         payload: torch.Tensor | None = None

@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._comm.distributed import broadcast_any, gather_into
+from scopedlite._comm.replicas import reduce_rows
+from scopedlite._comm.wire import wire_dtype
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import overwrite_buffers
 from scopedlite._strategies.join_events import EventRecorder
@@ -436,6 +438,22 @@ class ReplaySession:
         if not self.rounds:
             return self.strategy.all_gather(tensor)
         return self.collectives.all_gather(tensor)
+
+    def all_reduce_replicas(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Each running replica counted once (``_comm/replicas.py``)."""
+        if not self.rounds:
+            return self.strategy.all_reduce_replicas(tensor, op)
+        if len(set(self.replicas)) == self.world_size:  # each rank a replica of its own
+            return self.collectives.all_reduce(tensor, op)
+        rows = self.all_gather_replicas(tensor.to(wire_dtype(tensor.dtype, op)))
+        return reduce_rows(rows, op, tensor.dtype)
+
+    def all_gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.rounds:
+            return self.strategy.all_gather_replicas(tensor)
+        if len(set(self.replicas)) == self.world_size:
+            return self.collectives.all_gather(tensor)
+        return self.collectives.all_gather_replicas(tensor, self.replicas)
 
     def broadcast(self, obj: Any, src: int) -> Any:
         if not self.rounds:

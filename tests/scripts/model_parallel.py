@@ -100,7 +100,17 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
             mine["eval_rows"] += index.tolist()
             total += torch.nn.functional.mse_loss(model(x), y, reduction="sum")
             count += len(index)
-    out["eval_mean"] = float(lite.all_reduce(total) / lite.all_reduce(count))  # sums over all 4 ranks
+    out["eval_mean"] = float(lite.all_reduce(total) / lite.all_reduce(count))
+    # each replica counted once, as ddp counts each rank: the ranks of a replica agree
+    mine["eval_count"] = float(lite.all_reduce(count))
+    mine["eval_gathered"] = lite.gather_for_metrics(torch.tensor(mine["eval_rows"])).tolist()
+    mine["replica_mean"] = lite.all_reduce(run.data_parallel_rank, op="mean")
+    mine["replica_gather"] = lite.all_gather(run.data_parallel_rank).tolist()
+    try:  # the ranks of a replica disagree: refused on every rank
+        lite.all_reduce({"loss": torch.tensor([1.0, float(run.global_rank)])})
+        mine["replica_error"] = "not refused"
+    except lite.ReplicaValuesDifferError as e:
+        mine["replica_error"] = str(e)
 
     # checkpoints in the middle of a pass: the loader read one batch of its second pass
     passing = iter(loader)
@@ -117,7 +127,9 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
         lite.load(folder / kind, state)
         mine[f"{kind}_exact"] = full(model) == out["at_save"] and outputs(model) == out["outputs_at_save"]
         mine[f"{kind}_step"] = state["step"]
-        mine[f"{kind}_next_step_exact"] = one_more_step(model, opt, run.data_parallel_rank, run.data_parallel_size) == out["after_step"]
+        mine[f"{kind}_next_step_exact"] = (
+            one_more_step(model, opt, run.data_parallel_rank, run.data_parallel_size) == out["after_step"]
+        )
 
     # lite.join over uneven data-parallel shards (replica 0: 5 batches, replica 1: 3), twice:
     # dividing by the initial number of replicas (clipped by norm), then by the running ones
@@ -160,13 +172,14 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
 
     # no_grad evaluation inside join, sharded by the sampler: 5 rows (2 batches) and 4 (1 batch)
     evaluation = loader_over(torch.utils.data.TensorDataset(*join_eval_data()))
-    rows, sse = [], torch.zeros(())
+    rows, sse, gathered = [], torch.zeros(()), []
     with torch.no_grad(), lite.join(joined):
         for index, x, y in evaluation:
             rows += index.tolist()
             sse += ((joined(x) - y) ** 2).sum()
+            gathered += lite.gather_for_metrics(index).tolist()  # the second: replica 0 alone
         totals = lite.all_reduce(torch.stack([sse, torch.tensor(float(len(rows)))]))
-    mine["join_eval"] = {"rows": rows, "totals": totals.tolist()}
+    mine["join_eval"] = {"rows": rows, "totals": totals.tolist(), "gathered": gathered}
 
     # refusals: a replica whose ranks do not run out together, a plan that leaves the replicas apart
     try:

@@ -15,7 +15,10 @@ read the same batches), the gradient norm is combined over the meshes the parame
 and ``lite.join`` counts replicas, not processes: the tensor-parallel ranks of a replica run out
 of data together, and a replica that has run out replays the others' steps with all its ranks
 at once (its tensor-parallel collectives among themselves, FSDP's over the data-parallel
-dimension with the replicas still running).
+dimension with the replicas still running). For the same reason ``lite.all_reduce``,
+``lite.all_gather`` and ``lite.gather_for_metrics`` count each replica once, so an unchanged
+evaluation loop gives ddp's numbers (``_comm/replicas.py``); ``lite.broadcast`` and
+``lite.barrier`` span every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Itera
 
 import torch
 
-from scopedlite._strategies.base import Rendezvous
+from scopedlite._comm.replicas import one_per_replica, reduce_rows
+from scopedlite._comm.wire import wire_dtype
+from scopedlite._strategies.base import ReduceOp, Rendezvous
 from scopedlite._strategies.fsdp.strategy import FSDPStrategy
 
 if TYPE_CHECKING:
@@ -188,6 +193,22 @@ class ModelParallelStrategy(FSDPStrategy):
             for rank in ranks:
                 replicas[rank] = replica
         return tuple(replicas)
+
+    # -- collectives: a replica counted once ---------------------------------------------------
+    def all_reduce_replicas(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Every rank's value gathered, one per replica kept (its ranks must agree to the
+        bit), reduced here: the same result on every rank. One replica per rank: the
+        all-reduce."""
+        if self.tensor_parallel_size == 1:
+            return self.all_reduce(tensor, op)
+        rows = self.all_gather_replicas(tensor.to(wire_dtype(tensor.dtype, op)))
+        return reduce_rows(rows, op, tensor.dtype)
+
+    def all_gather_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel_size == 1:
+            return self.all_gather(tensor)
+        rows = self.all_gather(tensor)
+        return one_per_replica(rows, range(self.placement.world_size), self.join_replicas())
 
     # -- the plan ---------------------------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
