@@ -1,7 +1,8 @@
 """Hugging Face models, unchanged, under every strategy (tests/scripts/hf_models.py).
 
 GPT-2 and Llama from tiny configs (no download), one launch per strategy doing every check,
-2 real gloo ranks (1 under single). Each is compared with plain torch in this process: a plain
+2 real gloo ranks (1 under single; under model_parallel Llama alone, with a tensor-parallel
+plan, on 2 replicas of 2 ranks). Each is compared with plain torch in this process: a plain
 build with the same seed (exactly: sharded_init must give its values, HF's post_init
 included), a one-process replay of the uneven-shard training under lite.join, greedy
 generate, and from_pretrained of what save_pretrained wrote.
@@ -22,12 +23,17 @@ from _hf_common import build, compile_reference, generate, quiet, reference  # n
 
 pytest.importorskip("transformers")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
+needs_deepspeed = pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
+)
 
 STRATEGIES = [
     pytest.param("single"),
     pytest.param("ddp"),
     pytest.param("fsdp"),
+    # Llama with the user's tensor-parallel plan (hf_models.py), 2 replicas x 2 ranks: the data
+    # of ddp on 2 ranks, so the same one-process reference
+    pytest.param("model_parallel"),
     *(
         pytest.param(f"deepspeed_stage_{stage}", marks=[needs_deepspeed, pytest.mark.deepspeed_op])
         for stage in (1, 2, 3)
@@ -49,10 +55,11 @@ def test_gpt2_and_llama_train_generate_save_and_load_as_plain_models(script, tmp
     result = script("hf_models", strategy, tmp_path, timeout=180)
     assert result.returncode == 0, result.explain()
     out = result.json()
-    world_size = 1 if strategy == "single" else 2
+    world_size = 1 if strategy == "single" else 2  # data-parallel replicas
     assert out["thread_sum"] == sum(range(1, world_size + 1))  # a thread's all_reduce is the world's
 
-    for kind, config_class in (("gpt2", "GPT2Config"), ("llama", "LlamaConfig")):
+    kinds = (("gpt2", "GPT2Config"), ("llama", "LlamaConfig"))
+    for kind, config_class in kinds[1:] if strategy == "model_parallel" else kinds:
         got = out[kind]
         saved = torch.load(tmp_path / f"{kind}.pt")
         quiet()
@@ -82,6 +89,9 @@ def test_gpt2_and_llama_train_generate_save_and_load_as_plain_models(script, tmp
         assert got["pretrained_equal"] is True
         assert got["pretrained_generated"] == generated
 
+    if strategy == "model_parallel":
+        assert "compile" not in out and "gpt2" not in out  # Llama alone has a plan here
+        return
     # torch.compile(model) before setup: compiled (the backend saw graphs), trained exactly as
     # the uncompiled model, plain state dict keys
     compiled = out["compile"]

@@ -126,7 +126,18 @@ def _joined_reference(divisors: tuple[str, str] = ("initial", "running")) -> dic
 
 
 @pytest.mark.timeout(150)
+def _single_checkpoint(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A checkpoint of strategy single (one process, no launch), after one AdamW step."""
+    torch.manual_seed(42)
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _last_global_step(model, opt)
+    lite.save(path, {"model": model, "opt": opt, "step": 3})
+    return model, opt
+
+
 def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(script, tmp_path):
+    single, single_opt = _single_checkpoint(tmp_path / "single.ckpt")
     result = script("model_parallel", tmp_path, timeout=140)
     assert result.returncode == 0, result.explain()
     out = result.json()
@@ -152,6 +163,13 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     total = sum(p.numel() for p in plain.parameters())
     assert all(mine["local_numel"] <= 0.27 * total for mine in ranks)  # about a quarter each
     assert all(mine["opt_on_model"] for mine in ranks)
+    # the set-up model is the user's: their attributes and methods, plain state_dict keys
+    for mine in ranks:
+        assert mine["answers"] == ["mine", 32, 4, "LayerNorm"]
+        assert mine["state_keys"] == list(plain.state_dict())
+    # lite.no_backward_sync skips FSDP's gradient reduction (step 2), and only there
+    for mine in ranks:
+        assert mine["scatters"][2] == 0 and min(mine["scatters"][:2] + mine["scatters"][3:]) > 0, mine["scatters"]
 
     # the loader shards over data parallel only: a replica's two ranks read the same rows
     for key, n in (("train_rows", N_TRAIN), ("eval_rows", N_EVAL)):
@@ -195,6 +213,14 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
             assert mine[f"{kind}_outputs"] == pytest.approx(out["outputs_at_save"], abs=1e-6)
             assert _max_diff(mine[f"{kind}_after_step"], out["after_step"]) < 1e-6
             assert sorted(mine[f"{kind}_rest_of_pass"] + taken) == list(range(N_TRAIN))
+
+    # a checkpoint of strategy single resumed on the 2 x 2 mesh: its values, step and
+    # AdamW state (the next step equals one process's)
+    expected = [p.detach().flatten().tolist() for p in single.parameters()]
+    _last_global_step(single, single_opt)
+    for mine in ranks:
+        assert mine["from_single"]["params"] == expected and mine["from_single"]["step"] == 3
+        assert _max_diff(mine["from_single"]["after_step"], _flat(single)) < 1e-6
 
     # ... and in one process, without processes: the full file as it is, the folder consolidated
     single = tmp_path / "consolidated.pt"

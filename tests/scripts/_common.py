@@ -51,16 +51,18 @@ def assert_close(got: Any, expected: Any, tol: float = 1e-5, what: str = "value"
     assert worst <= tol, f"{what}: differs from the reference by {worst:.3g} (allowed {tol:.1g})"
 
 
-def reductions_during(fn: Any) -> int:
+def reductions_during(fn: Any, kind: str = "reduce") -> int:
     """How many reducing collectives (all-reduce, reduce-scatter, reduce) this rank ran
     during ``fn()``, counted from torch's profiler, which records every ``c10d`` op: those
     torch.distributed's Python functions call (FSDP2, DeepSpeed) and those DDP's reducer calls
-    from C++. A backward whose gradients are not synchronised runs none."""
+    from C++. A backward whose gradients are not synchronised runs none. ``kind``: only ops
+    whose name has it (``"reduce_scatter"``: FSDP's gradient reduction, not tensor
+    parallelism's all-reduces, which are part of the computation)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(1 for e in prof.events() if e.name.startswith("c10d::") and "reduce" in e.name)
+    return sum(1 for e in prof.events() if e.name.startswith("c10d::") and kind in e.name)
 
 
 def write(obj: Any) -> None:
@@ -91,7 +93,9 @@ def batches(indices: list[int], batch_size: int) -> list[list[int]]:
     return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
 
 
-def reference_training(n: int, world_size: int, batch_size: int, lr: float = 0.1, pad: bool = False, divide_by_initial: bool = True) -> torch.nn.Module:
+def reference_training(
+    n: int, world_size: int, batch_size: int, lr: float = 0.1, pad: bool = False, divide_by_initial: bool = True
+) -> torch.nn.Module:
     """One process replaying what DDP computes: per step, each active rank's mean-loss
     gradient, summed and divided by the initial world size (joined ranks add zero), or by
     the number of ranks still active when ``divide_by_initial`` is False."""

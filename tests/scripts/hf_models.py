@@ -6,6 +6,8 @@ shards, model.config, model.generate, model.save_pretrained, a fresh sharded_ini
 model given the weights by lite.load (a lite.save checkpoint) and by lite.load_pretrained
 (the save_pretrained folder); a torch.compile'd model trained beside an uncompiled one; a
 thread's collective. Rank 0 writes the JSON the test reads and the full state dicts (.pt).
+Strategy "model_parallel": Llama only, with the tensor-parallel plan below, on a 2 x 2 mesh
+(4 ranks), the same checks but torch.compile's.
 """
 
 import concurrent.futures
@@ -20,6 +22,25 @@ from _hf_common import BATCH, EPOCHS, LR, SmallNet, build, compile_data, generat
 
 strategy, folder = sys.argv[1], Path(sys.argv[2])
 devices = 1 if strategy == "single" else 2
+KINDS = ("gpt2", "llama")
+
+
+def llama_plan(model, mesh):
+    """The user's tensor-parallel plan for Llama (torchtitan's shape): attention and MLP
+    projections split over the tensor-parallel ranks, then FSDP over the replicas."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"self_attn.o_proj": RowwiseParallel()}
+    plan |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tensor_parallel"], plan)
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+if strategy == "model_parallel":  # 2 replicas of 2 ranks: the data of ddp on 2 ranks
+    strategy, devices, KINDS = lite.ModelParallelStrategy(llama_plan, data_parallel=2, tensor_parallel=2), 4, ("llama",)
 
 
 def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -52,9 +73,11 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     rank = run.global_rank
     # a thread started in the block finds the run: its collective is the world's
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        results["thread_sum"] = pool.submit(lambda: lite.all_reduce(torch.tensor(rank + 1.0)).item()).result()
+        results["thread_sum"] = pool.submit(
+            lambda: lite.all_reduce(torch.tensor(run.data_parallel_rank + 1.0)).item()
+        ).result()
 
-    for kind in ("gpt2", "llama"):
+    for kind in KINDS:
         out = results[kind] = {}
         torch.manual_seed(0)
         with lite.sharded_init():
@@ -95,6 +118,10 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
             torch.save({"initial": initial, "final": final}, folder / f"{kind}.pt")
         del model, opt, loaded, loaded_opt, pretrained
 
+    if KINDS == ("llama",):  # model_parallel: SmallNet has no plan
+        if run.is_global_zero:
+            write(results)
+        sys.exit(0)
     # torch.compile(model) before setup: trains as the uncompiled model, plain state dict keys
     torch.manual_seed(0)
     compiled = torch.compile(SmallNet(), backend=counting_backend)

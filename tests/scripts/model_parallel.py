@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import write
+from _common import reductions_during, write
 
 import scopedlite as lite
 from _model_parallel_common import (
@@ -72,8 +72,12 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
     lite.seed_everything(0 if run.global_rank == 0 else 7)
     with lite.sharded_init():
         model = make_net()
+        model.note = "mine"  # the user's own attribute and method, answered by the set-up model
+        model.width = lambda: model[0].out_features
     mine["meta"] = all(p.is_meta for p in model.parameters())
     model, opt = lite.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    mine["answers"] = [model.note, model.width(), len(model), type(model[3]).__name__]
+    mine["state_keys"] = list(model.state_dict())
     mine["rng_after_setup"] = torch.rand(1).item()
     out["initial"] = full(model)
     mine["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
@@ -81,11 +85,16 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
     mine["opt_on_model"] = all(any(q is p for q in model.parameters()) for g in opt.param_groups for p in g["params"])
 
     loader = loader_over(torch.utils.data.TensorDataset(*data()))
+    mine["scatters"] = []  # FSDP's gradient reductions per backward: none inside no_backward_sync
+
+    def counted_backward(loss):
+        mine["scatters"].append(reductions_during(lambda: lite.backward(loss), kind="reduce_scatter"))
+
     mine["train_rows"], norms = train(
         model,
         opt,
         loader,
-        lite.backward,
+        counted_backward,
         lambda enabled: lite.no_backward_sync(model, enabled=enabled),
         lambda **kw: lite.clip_gradients(model, opt, **kw),
     )
@@ -130,6 +139,15 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
         mine[f"{kind}_next_step_exact"] = (
             one_more_step(model, opt, run.data_parallel_rank, run.data_parallel_size) == out["after_step"]
         )
+
+    # a checkpoint lite.save wrote in one process (the test, strategy single) resumes here
+    torch.manual_seed(99)  # other values: what the checkpoint holds must replace them
+    moved = make_net()
+    moved, mopt = lite.setup(moved, torch.optim.AdamW(moved.parameters(), lr=1e-2))
+    state = {"model": moved, "opt": mopt, "step": 0}
+    lite.load(folder / "single.ckpt", state)
+    mine["from_single"] = {"params": full(moved), "step": state["step"]}
+    mine["from_single"]["after_step"] = one_more_step(moved, mopt, run.data_parallel_rank, run.data_parallel_size)
 
     # lite.join over uneven data-parallel shards (replica 0: 5 batches, replica 1: 3), twice:
     # dividing by the initial number of replicas (clipped by norm), then by the running ones
