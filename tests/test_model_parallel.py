@@ -272,6 +272,20 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     first_batches = list(range(0, 2 * BATCH, 2)) + list(range(1, 2 * BATCH, 2))
     assert ranks[2]["join_eval"]["gathered"] == ranks[3]["join_eval"]["gathered"] == first_batches
 
+    # torch.compile(model) before setup: compiled, plain keys, two steps as one process takes them
+    torch.manual_seed(0)
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    _, x, y = data()
+    for step in range(2):
+        rows = slice(step * 2 * BATCH, (step + 1) * 2 * BATCH)
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    for mine in ranks:
+        assert mine["compiled"]["graphs"] >= 1 and mine["compiled"]["keys"] == list(net.state_dict())
+        assert _max_diff(mine["compiled"]["params"], _flat(net)) < 1e-6
+
     # refusals: a replica whose ranks are not in step (on every rank, at once: nobody hangs),
     # a plan that leaves the replicas apart
     for mine in ranks:
