@@ -97,22 +97,25 @@ LAUNCH_HOOKS = {"start", "stop", "backend", "fresh", "comm_device", "describe", 
 # Run (properties, which no recorder replaces); tests/test_model_parallel.py checks the one
 # strategy that overrides them.
 PLACEMENT_FACTS = {"data_parallel_rank", "data_parallel_size"}
-# Strategies that cannot be probed unstarted, each with where its abilities are checked.
-UNPROBED = {
-    "model_parallel": "its setup needs the device mesh of a started run; its abilities are "
-    "FSDP's (checked under 'fsdp') and its own are run by tests/test_model_parallel.py",
-}
+# Strategies whose placement facts need a started run (model_parallel's come from its device
+# mesh): probed with a subclass that reads them from the placement, as every other strategy
+# does (tests/test_model_parallel.py checks the mesh's own).
+FACTS_FROM_PLACEMENT = {"model_parallel"}
 PROTOCOL_METHODS = {m for p in PROTOCOLS for m in _protocol_methods(p)}
 INTERFACE_HOOKS = {hook for hook in PLAIN if hasattr(Strategy, hook)}
 
 # Overrides the front end reaches only through another ability of the same strategy (by
 # class), each with that ability: under FSDP, lite.save/lite.load go to its own checkpoint
 # format, whose full (one-file) form converts modules and optimizers with these hooks
-# (fsdp/checkpoint.py, through _io.files.state_dicts / restore); under DeepSpeed, lite.backward
-# calls backward_model, of which backward is the interface's form.
+# (fsdp/checkpoint.py, through _io.files.state_dicts / restore), and so does model_parallel's;
+# under DeepSpeed, lite.backward calls backward_model, of which backward is the interface's form.
 REACHED_THROUGH = {
     ("FSDPStrategy", "module_state"): "save_checkpoint",
     ("FSDPStrategy", "optimizer_state"): "save_checkpoint",
+    ("ModelParallelStrategy", "module_state"): "save_checkpoint",  # FSDP's format
+    ("ModelParallelStrategy", "optimizer_state"): "save_checkpoint",
+    # lite.all_gather counts replicas there: it gathers through all_gather (model_parallel/strategy.py)
+    ("ModelParallelStrategy", "all_gather"): "all_gather_replicas",
     ("DeepSpeedStrategy", "backward"): "backward_model",
 }
 
@@ -162,7 +165,12 @@ class _Session(contextlib.nullcontext):  # type: ignore[type-arg]
 def _probe(name: str) -> tuple[Strategy, list[str]]:
     """The strategy of ``name``, unstarted, its abilities replaced by recorders; and the list
     the recorders append the name of each ability called to."""
-    strategy = STRATEGIES[name]()
+    entry = STRATEGIES[name]
+    cls = entry.cls
+    if name in FACTS_FROM_PLACEMENT:
+        facts = {fact: getattr(Strategy, fact) for fact in PLACEMENT_FACTS}
+        cls = type(cls.__name__, (cls,), facts)
+    strategy = cls(**entry.options)
     called: list[str] = []
     for hook in _abilities_of(type(strategy)):
 
@@ -234,7 +242,7 @@ def _checkpoint(path: Any) -> None:
     lite.setup(torch.compile(torch.nn.Linear(2, 1), backend="eager"))
 
 
-@pytest.mark.parametrize("name", sorted(set(STRATEGIES) - set(UNPROBED)))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_front_end_uses_every_ability_the_strategy_has(name, tmp_path):
     strategy, called = _probe(name)
     cls = type(strategy)
