@@ -122,6 +122,49 @@ def test_a_raw_torch_collective_inside_join_is_an_error_naming_it_not_a_hang(scr
     assert "CollectiveTimeoutError" not in result.stderr  # it used to wait for the whole timeout, then fail
 
 
+def test_collectives_of_different_shapes_inside_join_are_refused_on_every_rank_naming_them(script):
+    """Over a set-up loader (every rank has data: no rounds) gloo used to read past the shorter
+    tensor (made-up values) or abort; over a plain loop the refusal showed two identical steps."""
+    result = script("join_refusals", "ragged")
+    assert result.returncode == 0, result.explain()
+    for rank, out in enumerate(result.json()):
+        for name in ("loader_gather", "loader_reduce"):
+            kind = name.split("_")[1]
+            error = out[f"{rank}:{name}"]
+            assert error.startswith(f"ShapeMismatchError: lite.all_{kind} was called with different shapes"), error
+            assert f"rank 0: lite.all_{kind}" in error and "float32[2]" in error and "float32[3]" in error
+        gathered, reduced = out[f"{rank}:list_gather"], out[f"{rank}:list_reduce"]
+        assert "called the same collective with tensors of different shapes" in gathered, gathered
+        assert (
+            "rank 0: lite.all_gather of float32[2] at " in gathered
+            and "rank 1: lite.all_gather of float32[3]" in gathered
+        )
+        assert "rank 1: lite.all_reduce(op='sum') of float32[3]" in reduced and "gather_for_metrics" in reduced
+        assert "after the loop" not in gathered  # the unrelated hint is gone
+        assert out["after"] == 2.0
+
+
+def test_torch_norms_and_gathers_of_dtensors_inside_join_are_refused_at_once_not_a_hang(script):
+    """nanoGPT's torch.nn.utils.clip_grad_norm_ on FSDP's DTensor gradients inside lite.join
+    all-reduced over the ranks that had run out: it hung until SIGINT. Now the first call
+    raises on every rank, naming lite.clip_gradients (launch(timeout=300): a hang would be
+    ended by the test's timeout, not by this error)."""
+    result = script("join_refusals", "norms")
+    assert result.returncode == 0, result.explain()
+    calls = {
+        "clip": "torch.nn.utils.clip_grad_norm_",
+        "total": "torch.nn.utils.get_total_norm",
+        "full": "DTensor.full_tensor()",
+    }
+    for rank, out in enumerate(result.json()):
+        for name, call in calls.items():
+            error = out[f"{rank}:{name}"]
+            assert error.startswith(f"RuntimeError: {call} was called inside lite.join (at "), error
+            assert "join_refusals.py:" in error
+        assert "lite.clip_gradients(model, optimizer, max_norm=...)" in out[f"{rank}:clip"]
+        assert out["after"] > 0  # outside the block torch's own call goes through
+
+
 def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(script):
     result = script("join_refusals", "abort")
     assert result.returncode == 0, result.explain()
@@ -142,14 +185,24 @@ def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
     result = script("join_replay_refusals", strategy, "batched", timeout=90)
     assert result.returncode == 0, result.explain()
     for errors in result.json():  # every rank raised, together: nobody hangs
-        assert errors["plain"].startswith("TypeError") and "lite.setup(model" in errors["plain"] and "not set up in this run" in errors["plain"]
+        assert (
+            errors["plain"].startswith("TypeError")
+            and "lite.setup(model" in errors["plain"]
+            and "not set up in this run" in errors["plain"]
+        )
         assert errors["lr_by_hand"].startswith("RuntimeError") and "changed from 0.1 to 0.5" in errors["lr_by_hand"]
         assert "LR scheduler" in errors["lr_by_hand"]
         assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
         assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
-        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
+        assert (
+            errors["two_forwards"].startswith("RuntimeError")
+            and "loss built from several forwards" in errors["two_forwards"]
+        )
         if strategy == "fsdp":  # deepspeed refuses lite.clip_gradients altogether
-            assert errors["unknown_optimizer"].startswith("ValueError") and "not set up in this run" in errors["unknown_optimizer"]
+            assert (
+                errors["unknown_optimizer"].startswith("ValueError")
+                and "not set up in this run" in errors["unknown_optimizer"]
+            )
         assert errors["after"] == 2
     _check_aborts(result.json())
 
@@ -173,14 +226,21 @@ def _check_aborts(everyone):
             if rank == raiser:
                 assert got["error"] == f"KeyError: {message!r}", (case, rank, got)
             else:
-                assert got["error"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception"), (case, rank, got)
+                assert got["error"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception"), (
+                    case,
+                    rank,
+                    got,
+                )
             assert got["after"] == 3.0, (case, rank, got)
 
 
 def test_a_scheduler_stepped_after_the_loop_inside_join_is_an_error_not_a_hang(script):
     result = script("join_replay_refusals", "fsdp", "sched_after_loop", timeout=90)
     assert result.returncode == 1, result.explain()
-    assert "rank 1 raised RuntimeError: Inside lite.join the ranks did different optimizer/scheduler calls" in result.stderr
+    assert (
+        "rank 1 raised RuntimeError: Inside lite.join the ranks did different optimizer/scheduler calls"
+        in result.stderr
+    )
     assert "after the loop but inside the join block" in result.stderr
 
 
@@ -218,7 +278,9 @@ def test_torch_uneven_input_suite_under_ddp_ends_as_torch_join(script, world):
         what = f"scenario {n} {case}"
         records = [ranks[r][n] for r in range(world)]
         for r, record in enumerate(records):  # the same model on every rank: parameters and buffers
-            assert record["params"] == records[0]["params"] and record["buffers"] == records[0]["buffers"], f"{what}: rank {r}"
+            assert record["params"] == records[0]["params"] and record["buffers"] == records[0]["buffers"], (
+                f"{what}: rank {r}"
+            )
         if case["run"] == "uneven":
             expected = reference_uneven(case, world)
             assert [rec["done"] for rec in records] == [case["mapping"][r] for r in range(world)], what
@@ -238,8 +300,14 @@ def test_torch_uneven_input_suite_under_ddp_ends_as_torch_join(script, world):
 
 
 TRAIN_SUITES = [
-    ("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3),
-    ("deepspeed_stage_1", 2), ("deepspeed_stage_2", 3), ("deepspeed_stage_3", 2), ("deepspeed_stage_3_offload", 3),
+    ("ddp", 2),
+    ("ddp", 3),
+    ("fsdp", 2),
+    ("fsdp", 3),
+    ("deepspeed_stage_1", 2),
+    ("deepspeed_stage_2", 3),
+    ("deepspeed_stage_3", 2),
+    ("deepspeed_stage_3_offload", 3),
 ]
 
 
@@ -316,8 +384,18 @@ def test_an_opener_encodes_and_decodes_itself():
     from scopedlite._strategies.join_message import LENGTH, Action, Event, Header, Kind, Opener, Round
 
     opener = Opener(
-        Kind.COLLECTIVE, site=2**31 - 5, index=3, flag=6, mask=2**47 + 1, seq=12345, ended=2, reports=True,
-        needs=5, length=-1, values=(0.125, -1.0, float("inf")), header=Header(1, 2, 4, (3, 1, 7), 1, 2),
+        Kind.COLLECTIVE,
+        site=2**31 - 5,
+        index=3,
+        flag=6,
+        mask=2**47 + 1,
+        seq=12345,
+        ended=2,
+        reports=True,
+        needs=5,
+        length=-1,
+        values=(0.125, -1.0, float("inf")),
+        header=Header(1, 2, 4, (3, 1, 7), 1, 2),
         events=(Event(Action.OPTIMIZER_STEP, 1, 0.30000000000000004), Event(Action.SCHEDULER_STEP, 0)),
     )
     row = opener.encode()

@@ -97,11 +97,12 @@ def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Te
 
 
 def _checked(run: Run, target: Any, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor]) -> None:
-    """The per-call check of shapes, outside ``lite.join``. Inside, the session's rounds
-    compare what the running ranks call once a rank has run out; before that, nothing does
-    (join's own issue)."""
-    if target is run.strategy:
-        check_same(_call(run, kind, op, data, tensors), target.all_gather, target.all_reduce)
+    """The per-call check of shapes: outside ``lite.join``, and inside it while every rank
+    has data (the session runs free, every rank in this call). Once a rank has run out, the
+    session's rounds compare what the running ranks call instead."""
+    strategy = run.strategy
+    if target is strategy or target.in_step():
+        check_same(_call(run, kind, op, data, tensors), strategy.all_gather, strategy.all_reduce)
 
 
 def all_reduce(data: Any, op: str = "sum") -> Any:

@@ -16,6 +16,7 @@ from enum import IntEnum
 import torch
 
 from scopedlite._comm.wire import DTYPES, MAX_DIMS
+from scopedlite._strategies.base import REDUCE_OPS
 
 __all__ = ["Action", "Event", "Header", "Kind", "Opener", "Round", "LENGTH", "MAX_EVENTS"]
 
@@ -74,8 +75,23 @@ class Header:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def describe(self) -> str:
+        """``lite.all_gather of float32[3]``: the call, as a refusal shows it."""
+        name = _COLLECTIVE_NAMES.get(self.collective, "a lite collective")
+        if self.collective in (_REDUCE, _GATHER):
+            op = f"(op={REDUCE_OPS[self.op]!r})" if self.collective == _REDUCE else ""
+            dtype = str(self.torch_dtype).removeprefix("torch.")
+            return f"{name}{op} of {dtype}[{', '.join(map(str, self.shape))}]"
+        return f"{name}(src={self.src})" if self.collective == _BROADCAST else name
 
-_BROADCAST = 3  # join_session.BROADCAST: only its source must agree
+
+_REDUCE, _GATHER, _BROADCAST = 1, 2, 3  # join_session's codes; a broadcast: only its source must agree
+_COLLECTIVE_NAMES = {
+    _REDUCE: "lite.all_reduce",
+    _GATHER: "lite.all_gather",
+    _BROADCAST: "lite.broadcast",
+    4: "lite.barrier",
+}
 MAX_EVENTS = 6  # events carried by one opener; more open rounds of their own
 _FIXED = 13  # kind ... length (10 integers), then the 3 values
 _VALUES_AT = 10
@@ -173,7 +189,7 @@ class Opener:
         if self.kind == Kind.BACKWARD:
             return f"a backward of model {self.index}"
         if self.kind == Kind.COLLECTIVE:
-            return f"a lite collective at {site_name(self.site)}"
+            return f"{self.header.describe()} at {site_name(self.site)}"
         if self.kind == Kind.PASS:
             return f"a new pass over a loader at {site_name(self.site)}"
         return {
@@ -223,9 +239,30 @@ class Round:
         """The announcement the runners agreed on."""
         return self.openers[self.runners[0]]
 
+    def _same_collective_other_tensors(self) -> bool:
+        """Every running rank is in the same reduce or gather, from the same line, but with
+        another tensor (shape or dtype)."""
+        openers = [self.openers[r] for r in self.runners]
+        calls = {(o.kind, o.site, o.header.collective, o.header.op) for o in openers}
+        return (
+            len(calls) == 1
+            and openers[0].kind == Kind.COLLECTIVE
+            and openers[0].header.collective in (_REDUCE, _GATHER)
+        )
+
     def disagreement(self) -> str | None:
         """Why this round cannot go on, or None."""
         keys = {self.openers[r].step_key() for r in self.runners}
+        if len(keys) > 1 and self._same_collective_other_tensors():
+            described = "\n".join(f"  rank {r}: {self.openers[r].describe()}" for r in self.runners)
+            return (
+                "Inside lite.join the ranks still active called the same collective with tensors "
+                "of different shapes or dtypes, so they cannot exchange them (torch.distributed "
+                f"would deliver made-up values or abort the process):\n{described}\n"
+                "Pass tensors of one shape and dtype on every rank (pad them; per-rank totals "
+                "for a reduction), or use lite.gather_for_metrics(x) for per-rank rows of "
+                "different lengths."
+            )
         if len(keys) > 1:
             described = "; ".join(f"rank {r}: {self.openers[r].describe()}" for r in self.runners)
             after_loop = any(self.openers[r].kind == Kind.COLLECTIVE for r in self.runners)

@@ -54,6 +54,7 @@ __all__ = [
     "NoJoin",
     "PEER_LEFT",
     "PeerLeftJoinError",
+    "refuse_distributed_norms",
     "refuse_raw_collectives",
 ]
 
@@ -252,6 +253,90 @@ def refuse_raw_collectives() -> Any:
     finally:
         for name, original in saved.items():
             setattr(dist, name, original)
+
+
+# torch functions that reach every rank through DTensor (FSDP2, model_parallel) without a
+# torch.distributed call of their own: a gradient norm all-reduces over every rank.
+_NORMS = ("clip_grad_norm_", "get_total_norm")
+
+
+@contextlib.contextmanager
+def refuse_distributed_norms() -> Any:
+    """Inside ``lite.join``, ``torch.nn.utils.clip_grad_norm_`` (as nanoGPT writes it) and
+    ``get_total_norm`` over DTensor gradients, and ``DTensor.full_tensor()`` of a sharded
+    tensor, called from outside torch and scopedlite, raise at once instead of hanging: each
+    is a collective over every rank that the ranks which ran out of data cannot mirror (they
+    replay the models' steps and our calls only). Over plain tensors (ddp) a norm is local
+    and goes through. Patched on ``torch.nn.utils``, ``torch.nn.utils.clip_grad`` and
+    ``DTensor`` for the block only."""
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it
+    if tensor_module is None:
+        yield
+        return
+    dtensor = tensor_module.DTensor
+    saved: list[tuple[Any, str, Any]] = []
+    for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+        for name in _NORMS:
+            original = getattr(owner, name, None)
+            if original is not None and not hasattr(original, "__scopedlite_join_guard__"):
+                saved.append((owner, name, original))
+                setattr(owner, name, _guarded_norm(name, original, dtensor))
+    saved.append((dtensor, "full_tensor", dtensor.full_tensor))
+    dtensor.full_tensor = _guarded_full_tensor(dtensor.full_tensor)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _user_caller() -> Any:
+    """The frame that called the guarded function, when it is outside torch, DeepSpeed and
+    scopedlite (their own calls are the join protocol's to keep in step); else None."""
+    caller = sys._getframe(2)
+    return (
+        None
+        if os.path.abspath(caller.f_code.co_filename).startswith((_TORCH_DIR, _OUR_DIR, _DEEPSPEED_DIR))
+        else caller
+    )
+
+
+def _unmirrorable(call: str, caller: Any, fix: str) -> RuntimeError:
+    return RuntimeError(
+        f"{call} was called inside lite.join (at {caller.f_code.co_filename}:{caller.f_lineno}) "
+        "on DTensors (fsdp, model_parallel): it is a collective over every rank, and the ranks "
+        "that have run out of data have left the loop and cannot take part, so the ranks would "
+        f"wait for each other until launch(timeout=) ran out, silently. {fix}"
+    )
+
+
+def _guarded_norm(name: str, original: Any, dtensor: type) -> Any:
+    @functools.wraps(original)
+    def guarded(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # a generator: once
+        caller = _user_caller()
+        if caller is not None and any(isinstance(t if name == "get_total_norm" else t.grad, dtensor) for t in tensors):
+            raise _unmirrorable(
+                f"torch.nn.utils.{name}",
+                caller,
+                "Use lite.clip_gradients(model, optimizer, max_norm=...) inside the block: it "
+                "clips on every rank, the ones out of data too.",
+            )
+        return original(tensors, *args, **kwargs)
+
+    guarded.__scopedlite_join_guard__ = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _guarded_full_tensor(original: Any) -> Any:
+    @functools.wraps(original)
+    def full_tensor(self: Any, *args: Any, **kwargs: Any) -> Any:
+        caller = _user_caller()
+        if caller is not None and not all(p.is_replicate() for p in self.placements):
+            raise _unmirrorable("DTensor.full_tensor()", caller, "Gather it after the `with lite.join(...)` block.")
+        return original(self, *args, **kwargs)
+
+    return full_tensor
 
 
 def _guarded(name: str, original: Any) -> Any:

@@ -72,6 +72,7 @@ from scopedlite._strategies.join_session import (
     PEER_LEFT,
     JoinCollectives,
     PeerLeftJoinError,
+    refuse_distributed_norms,
     refuse_raw_collectives,
 )
 
@@ -172,6 +173,7 @@ class ReplaySession:
             )  # asked by user methods
             self._stack.enter_context(self.replayer.install(self))
             self._stack.enter_context(refuse_raw_collectives())
+            self._stack.enter_context(refuse_distributed_norms())
             self._stack.callback(self.events.close)
         except BaseException:
             self._stack.close()
@@ -426,6 +428,12 @@ class ReplaySession:
         return self.replayer.clip(model, optimizer, max_norm, clip_val, norm_type)
 
     # -- our collectives ---------------------------------------------------------------------------
+    def in_step(self) -> bool:
+        """Whether every rank has data and runs free: our collectives then go straight to the
+        strategy, every rank in the same call (so ``lite.all_gather``'s shape check can run
+        there as outside the block)."""
+        return not self.rounds
+
     def _announce_collective(self, header: Header) -> Round:
         return self._announce(Opener(Kind.COLLECTIVE, site=_user_site(), header=header))
 

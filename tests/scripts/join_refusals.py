@@ -1,6 +1,6 @@
 """lite.join refuses what torch's Join cannot survive; broadcast from a joined rank raises.
 
-argv: case   (zero | static_graph | broadcast_from_joined | raw_collective | abort)
+argv: case   (zero | static_graph | broadcast_from_joined | raw_collective | abort | ragged | norms)
 """
 
 import sys
@@ -13,13 +13,52 @@ from _common import make_model, write
 
 case = sys.argv[1]
 result = {}
-with lite.launch(strategy=lite.DDPStrategy(static_graph=case == "static_graph"), devices=2, accelerator="cpu", timeout=300) as run:  # a hang: the test's 90 s kill, long before
+strategy = "fsdp" if case == "norms" else lite.DDPStrategy(static_graph=case == "static_graph")
+with lite.launch(
+    strategy=strategy, devices=2, accelerator="cpu", timeout=300
+) as run:  # a hang: the test's 90 s kill, long before
     model = make_model()
     if case == "zero":
         model = lite.setup(model)
         opt = lite.setup_optimizers(ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
     else:
         model = lite.setup(model)
+    if case == "ragged":  # tensors of another shape on each running rank, inside lite.join
+        mine = torch.arange(2.0 + run.global_rank)
+        loader = lite.setup_dataloader(torch.utils.data.DataLoader(torch.arange(8.0), batch_size=2))
+        for name, batches, call in (
+            ("loader_gather", loader, lite.all_gather),  # every rank has data: free running
+            ("loader_reduce", loader, lite.all_reduce),
+            ("list_gather", [0, 1], lite.all_gather),  # a plain loop: the session's rounds
+            ("list_reduce", [0, 1], lite.all_reduce),
+        ):
+            try:
+                with lite.join(model):
+                    for _ in batches:
+                        call(mine)
+                result[f"{run.global_rank}:{name}"] = "no error"
+            except (ValueError, RuntimeError) as e:
+                result[f"{run.global_rank}:{name}"] = f"{type(e).__name__}: {e}"
+        result["after"] = lite.all_reduce(1.0)  # the run goes on, in step
+    if case == "norms":  # DTensor collectives of torch's, called by the user inside lite.join (fsdp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for name, call in (
+            ("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),  # as nanoGPT
+            ("total", lambda: torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])),
+            ("full", lambda: next(model.parameters()).full_tensor()),
+        ):
+            try:
+                with lite.join(model):
+                    for _ in range(3 if run.global_rank == 0 else 1):  # rank 1 runs out first
+                        lite.backward(model(torch.randn(4, 4)).sum())
+                        call()
+                        opt.step()
+                        opt.zero_grad()
+                result[f"{run.global_rank}:{name}"] = "no error"
+            except RuntimeError as e:
+                result[f"{run.global_rank}:{name}"] = f"{type(e).__name__}: {e}"
+        outside = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # outside the block: as torch
+        result["after"] = float(lite.all_reduce(outside.full_tensor() if hasattr(outside, "full_tensor") else outside))
     try:
         with lite.join(model):
             if case == "broadcast_from_joined":
