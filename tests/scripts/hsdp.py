@@ -35,7 +35,7 @@ def collectives_during(fn) -> dict[str, int]:
     return counts
 
 
-strategy = lite.FSDPStrategy(replicate_degree=2, auto_wrap_policy={torch.nn.Linear})
+strategy = lite.FSDPStrategy(replicate_degree=2)
 with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as run:
     rank, out, mine = run.global_rank, {}, {}
     # rank 0's seed is the one sharded_init replays; the others draw differently on purpose
