@@ -294,6 +294,11 @@ def test_hsdp_two_replicas_of_two_shards_train_and_join_like_one_process(script,
     for mine in ranks:
         assert mine["backward_collectives"] == [synced, synced, synced, {}, synced]
 
+    # a forward on rank 0 alone, the others in lite.barrier(): refused at once, naming the fix
+    alone = ranks[0]["alone"]
+    assert "ran on rank(s) [0] only" in alone and "waits in a collective" in alone, alone
+    assert "strategy='fsdp'" in alone and "lite.join(model)" in alone, alone
+
     # lite.join: ranks with 3, 1, 0 and 2 batches, every step as one process computes it
     expected = _joined_reference()
     for r, mine in enumerate(ranks):

@@ -1,8 +1,8 @@
 """HSDP on 4 real gloo ranks: ``FSDPStrategy(replicate_degree=2)``, 2 replicas of 2 shards.
 
 One launch: ``sharded_init`` and the DDP user's set-up line, training with accumulation under
-``lite.no_backward_sync`` and clipping (each backward's reducing collectives counted), then
-``lite.join`` over uneven data (ranks with 3, 1, 0 and 2 batches) dividing by the initial and
+``lite.no_backward_sync`` and clipping (each backward's reducing collectives counted), a
+forward on rank 0 alone (refused), then ``lite.join`` over uneven data (ranks with 3, 1, 0 and 2 batches) dividing by the initial and
 by the running world size. Rank 0 writes every rank's record; tests/test_fsdp.py replays the
 recipe with plain torch in one process.
 """
@@ -75,6 +75,16 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
     mine["backward_collectives"] = counts
     out["trained"] = params(model)
     mine["trained_local"] = [p.to_local().detach().flatten().tolist() for p in model.parameters()]
+
+    # rank 0 evaluates alone while the others wait in a collective: refused at once (SPEC 9)
+    if rank == 0:
+        try:
+            with torch.no_grad():
+                model(x[:2])
+            mine["alone"] = "no error"
+        except lite.ForwardOnSomeRanksError as e:
+            mine["alone"] = str(e)
+    lite.barrier()
 
     # lite.join over uneven data, each rank its own rows: dividing by the initial world size
     # (clipped by norm, the mean loss over the running ranks each step), then by the running one
