@@ -54,10 +54,14 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
     # rank r reads rows r::4 of each global batch of 8; the step after 3 plain ones accumulates
     # 2 micro-batches (the first inside no_backward_sync) and clips by norm
     x, y = make_data()
-    counts: list[dict[str, int]] = []
+    counts: list[dict[str, int] | None] = []
 
     def backward(loss: torch.Tensor) -> None:
-        counts.append(collectives_during(lambda: lite.backward(loss)))
+        if len(counts) in (0, 3, 4):  # counted (profiling costs): the first and the window's two
+            counts.append(collectives_during(lambda: lite.backward(loss)))
+        else:
+            lite.backward(loss)
+            counts.append(None)
 
     def clip() -> torch.Tensor:
         mine["norm_inf"] = float(lite.clip_gradients(model, opt, max_norm=1e9, norm_type=float("inf")))
