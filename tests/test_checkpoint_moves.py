@@ -11,8 +11,10 @@ ranks' mean losses, each rank reading what torch's ``DistributedSampler`` gives 
 Few launches serve the matrix: one per saving strategy (it also loads what exists by then),
 one more for ddp and fsdp to load what was saved after them, one process running single,
 deepspeed_stage_2 (which saves a ZeRO-2 checkpoint too), fsdp and deepspeed_stage_3 on one
-device one after another, and fsdp on 3 ranks. A model of eight 4 MB parameters checks that
-loading a sharded checkpoint never needs the whole model.
+device one after another, and fsdp on 3 ranks. HSDP (``FSDPStrategy(replicate_degree=2)`` on
+4 ranks, issue 38) saves after deepspeed_stage_3 and loads all four, and the later launches
+load its folder. A model of eight 4 MB parameters checks that loading a sharded checkpoint
+never needs the whole model.
 
 The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain torch wrote
 (issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
@@ -41,9 +43,16 @@ if importlib.util.find_spec("deepspeed") is None:
 pytestmark = [pytest.mark.timeout(400), pytest.mark.deepspeed_op]
 
 # checkpoint name: the strategy and world size that saved it
-SAVED = {"S": ("single", 1), "D": ("ddp", 2), "F": ("fsdp", 2), "Z": ("deepspeed_stage_3", 2), "Z2": ("deepspeed_stage_2", 1)}
+SAVED = {
+    "S": ("single", 1),
+    "D": ("ddp", 2),
+    "F": ("fsdp", 2),
+    "Z": ("deepspeed_stage_3", 2),
+    "Z2": ("deepspeed_stage_2", 1),
+    "H": ("hsdp", 4),  # HSDP: FSDPStrategy(replicate_degree=2), 2 replicas of 2 shards
+}
 MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
-ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2"]
+ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 # files plain torch wrote (the fixture writes them): a bare state dict, the same from a
 # DataParallel / DDP model (every key "module."-prefixed), and a dict of such a model's and
 # an AdamW's state dicts and an epoch
@@ -53,16 +62,17 @@ LAUNCHES = [  # in order: each loads what the launches before it saved
     [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp"]]],
     [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp"]]],
     [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3"]]],
-    [["ddp", 2, ["load:F", "load:Z"]]],
-    [["fsdp", 2, ["load:Z", "bigload:ZB", "bigload:FB"]]],
+    [["hsdp", 4, ["save:H", *ALL[:4], "load:H"]]],
+    [["ddp", 2, ["load:F", "load:Z", "load:H"]]],
+    [["fsdp", 2, ["load:Z", "load:H", "bigload:ZB", "bigload:FB"]]],
     [  # one process, four launches one after another
-        ["single", 1, ["load:D", "load:F", "load:Z"]],  # first: DeepSpeed not imported yet
-        ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2", *PLAIN]],
+        ["single", 1, ["load:D", "load:F", "load:Z", "load:H"]],  # first: DeepSpeed not imported yet
+        ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2", "load:H", *PLAIN]],
         ["fsdp", 1, ALL],
         ["deepspeed_stage_3", 1, ALL],
     ],
-    [["fsdp", 3, ALL[:4]]],
-    [["deepspeed_stage_1", 2, [*PLAIN, "paths:ds1"]]],
+    [["fsdp", 3, [*ALL[:4], "load:H"]]],
+    [["deepspeed_stage_1", 2, ["load:H", *PLAIN, "paths:ds1"]]],
 ]
 PATHS = {"ddp": "ddp", "fsdp": "fsdp", "deepspeed_stage_3": "ds3", "deepspeed_stage_1": "ds1"}
 
@@ -180,13 +190,13 @@ def test_a_deepspeed_checkpoint_loads_without_deepspeed(moves):
     assert results[("single", 1)]["load:Z"]["deepspeed_imported"] is False
 
 
-@pytest.mark.parametrize("name", ["F", "Z"])
+@pytest.mark.parametrize("name", ["F", "Z", "H"])
 def test_a_folder_consolidates_into_the_file_the_other_strategies_write(moves, tmp_path, name):
     _, folder = moves
     lite.consolidate_checkpoint(folder / name, tmp_path / "one.pt")
     whole = torch.load(tmp_path / "one.pt", weights_only=True)
-    assert sorted(whole) == ["loader", "model", "note", "opt", "step"] and whole["step"] == 3
-    _, params = reference([(2, 0)])
+    (steps,), params = reference([(SAVED[name][1], 0)])
+    assert sorted(whole) == ["loader", "model", "note", "opt", "step"] and whole["step"] == len(steps)
     assert sorted(whole["model"]) == sorted(params)
     for key, value in params.items():
         assert torch.allclose(whole["model"][key], value, rtol=1e-5, atol=1e-6), key
@@ -194,7 +204,27 @@ def test_a_folder_consolidates_into_the_file_the_other_strategies_write(moves, t
     opt = make_optimizer(model)
     assert sorted(lite.load(tmp_path / "one.pt", {"model": model, "opt": opt})) == ["loader", "note", "step"]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    assert all(opt.state[p]["step"].item() == 3 for p in model.parameters())
+    assert all(opt.state[p]["step"].item() == whole["step"] for p in model.parameters())
+
+
+def test_an_hsdp_checkpoint_moves_to_and_from_every_strategy(moves):
+    """HSDP (2 replicas of 2 shards on 4 ranks) continues every checkpoint saved on 1 and 2
+    processes and its own; its folder continues under single, ddp, fsdp on 1, 2 and 3 ranks,
+    ZeRO-2 and ZeRO-3 on one process and ZeRO-1 on 2 ranks."""
+    results, _ = moves
+    for name in ("S", "D", "F", "Z", "H"):
+        _check_continued(results[("hsdp", 4)][f"load:{name}"], name, 4)
+    for loader, world_size in [
+        ("single", 1),
+        ("ddp", 2),
+        ("fsdp", 1),
+        ("fsdp", 2),
+        ("fsdp", 3),
+        ("deepspeed_stage_2", 1),
+        ("deepspeed_stage_3", 1),
+        ("deepspeed_stage_1", 2),
+    ]:
+        _check_continued(results[(loader, world_size)]["load:H"], "H", world_size)
 
 
 @pytest.mark.parametrize("loader,checkpoint", [("fsdp", "FB"), ("fsdp", "ZB"), ("deepspeed_stage_3", "FB")])

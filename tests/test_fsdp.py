@@ -16,10 +16,22 @@ import pytest
 import torch
 
 import scopedlite as lite
+from scopedlite._strategies.fsdp.hybrid import hsdp_shape
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from _common import assert_close, max_diff  # noqa: E402
-from _fsdp_common import make_data, make_net, make_optimizer, probe, reference  # noqa: E402
+from _fsdp_common import (  # noqa: E402
+    JOIN_BATCH,
+    JOIN_BATCHES,
+    JOIN_CLIP,
+    JOIN_SEED,
+    join_rows,
+    make_data,
+    make_net,
+    make_optimizer,
+    probe,
+    reference,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,15 +40,18 @@ def _flat(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def _assert_sharded_like(local_params: list[list[list[float]]], model: torch.nn.Module, tol: float = 1e-5) -> None:
+def _assert_sharded_like(
+    local_params: list[list[list[float]]], model: torch.nn.Module, tol: float = 1e-5, shards: int = 2
+) -> None:
     """Each rank holds its dim-0 chunk (``torch.chunk``, FSDP2's layout) of every parameter
     of ``model``, with the values of the one-process reference: read on each rank itself,
-    not through a gather."""
+    not through a gather. With ``shards`` below the number of ranks (HSDP), rank ``r`` holds
+    chunk ``r % shards``: every replica holds the whole model."""
     expected = [p.detach() for p in model.parameters()]
-    assert len(local_params) == 2, "one list of shards per rank"
+    assert len(local_params) in (2, 4), "one list of shards per rank"
     for rank, mine in enumerate(local_params):
-        chunks = [torch.chunk(p, 2, dim=0) for p in expected]
-        want = [c[rank].flatten().tolist() if rank < len(c) else [] for c in chunks]
+        chunks = [torch.chunk(p, shards, dim=0) for p in expected]
+        want = [c[rank % shards].flatten().tolist() if rank % shards < len(c) else [] for c in chunks]
         assert_close(mine, want, tol, f"rank {rank}'s shards")
 
 
@@ -188,12 +203,130 @@ def test_bad_options_are_refused_at_construction():
 def test_bad_combinations_are_refused_before_anything_starts():
     machine = lite.Machine(cpu_count=2, has_script=False)
     with pytest.raises(ValueError, match="cpu_offload=True.*accelerator='cpu'"):
-        lite.resolve(strategy=lite.FSDPStrategy(cpu_offload=True), devices=2, accelerator="cpu", env={}, machine=machine)
+        lite.resolve(
+            strategy=lite.FSDPStrategy(cpu_offload=True), devices=2, accelerator="cpu", env={}, machine=machine
+        )
     with pytest.raises(ValueError, match="precision='16-mixed'"):
         lite.FSDPStrategy().check("cuda", 2, "16-mixed")
     with pytest.raises(ValueError, match="process_group_backend='nccl' needs accelerator='cuda'"):
         lite.resolve(
-            strategy=lite.FSDPStrategy(process_group_backend="nccl"), devices=2, accelerator="cpu", env={}, machine=machine
+            strategy=lite.FSDPStrategy(process_group_backend="nccl"),
+            devices=2,
+            accelerator="cpu",
+            env={},
+            machine=machine,
         )
     plan = lite.resolve(strategy="fsdp", devices=2, accelerator="cpu", env={}, machine=machine)
     assert isinstance(plan.strategy, lite.FSDPStrategy) and plan.world_size == 2
+
+
+def _joined_reference() -> list[dict[str, object]]:
+    """One process, plain torch: the script's two join blocks over the ranks' uneven rows.
+
+    At step s the ranks that still have a batch contribute the gradient of their mean loss;
+    the sum is divided by all 4 ranks (``divide_by_initial_world_size=True``, clipped by norm)
+    or by the running ones (False); AdamW steps either way.
+    """
+    torch.manual_seed(JOIN_SEED)
+    model = make_net()
+    opt = make_optimizer("adamw", model.parameters())
+    x, y = make_data()
+    batches = [
+        [join_rows(r)[b * JOIN_BATCH : (b + 1) * JOIN_BATCH] for b in range(n)] for r, n in enumerate(JOIN_BATCHES)
+    ]
+    blocks = []
+    for divide in (True, False):
+        losses, norms = [], []
+        for step in range(max(JOIN_BATCHES)):
+            running = [r for r in range(4) if step < JOIN_BATCHES[r]]
+            per_rank = [torch.nn.functional.mse_loss(model(x[batches[r][step]]), y[batches[r][step]]) for r in running]
+            losses.append(float(sum(per_rank).detach()) / len(running))
+            (sum(per_rank) / (4 if divide else len(running))).backward()
+            if divide:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), JOIN_CLIP)))
+            opt.step()
+            opt.zero_grad()
+        blocks.append({"losses": losses, "norms": norms, "params": _flat(model)})
+    return blocks
+
+
+@pytest.mark.timeout(150)
+def test_hsdp_two_replicas_of_two_shards_train_and_join_like_one_process(script, tmp_path):
+    """FSDPStrategy(replicate_degree=2) on 4 ranks (tests/scripts/hsdp.py), against plain torch."""
+    result = script("hsdp", timeout=140)
+    assert result.returncode == 0, result.explain()
+    out = result.json()
+    ranks = out["per_rank"]
+    assert len(ranks) == 4
+
+    # a (replicate 2, shard 2) mesh: ranks 0-1 one replica, 2-3 the other; every rank its own data
+    for r, mine in enumerate(ranks):
+        assert mine["mesh"] == [["replicate", "shard"], [[0, 1], [2, 3]]]
+        assert mine["placements"] == ["R", "S(0)"]
+        assert mine["data_parallel"] == [r, 4]
+
+    # sharded_init: the meta build filled with a plain build's values from rank 0's seed; each
+    # rank holds half of every parameter (its replica's chunk r % 2), not a quarter
+    torch.manual_seed(0)
+    plain = make_net()
+    assert all(mine["meta"] for mine in ranks)
+    assert out["initial"] == _flat(plain)  # exactly
+    after_build = torch.rand(1).item()
+    torch.manual_seed(7)
+    make_net()  # the others' own generators moved on as after their own plain build
+    assert [mine["rng_after_setup"] for mine in ranks] == [after_build] + [torch.rand(1).item()] * 3
+    _assert_sharded_like([mine["initial_local"] for mine in ranks], plain, 0.0, shards=2)
+
+    # training: rows r::4 of each batch of 8, an accumulation window, clipping by norm
+    norms: dict[str, float] = {}
+    model, _, norm = reference("adamw", norms=norms)
+    assert_close(out["trained"], _flat(model), 1e-6, "parameters")
+    _assert_sharded_like([mine["trained_local"] for mine in ranks], model, 1e-6, shards=2)
+    for mine in ranks:
+        assert mine["norm"] == pytest.approx(norm, rel=1e-6)
+        assert mine["norm_inf"] == pytest.approx(norms["norm_inf"], rel=1e-6)
+        assert mine["norm_1"] == pytest.approx(norms["norm_1"], rel=1e-6)
+
+    # each synchronised backward reduce-scatters within the replica and all-reduces across
+    # replicas (plain FSDP: the reduce-scatter alone); inside lite.no_backward_sync (the 4th
+    # backward) nothing is reduced
+    synced = {"c10d::_reduce_scatter_base_": 1, "c10d::allreduce_": 1}
+    for mine in ranks:
+        assert mine["backward_collectives"] == [synced, None, None, {}, synced]  # the 2nd and 3rd not counted
+
+    # a forward on rank 0 alone, the others in lite.barrier(): refused at once, naming the fix
+    alone = ranks[0]["alone"]
+    assert "ran on rank(s) [0] only" in alone and "waits in a collective" in alone, alone
+    assert "strategy='fsdp'" in alone and "lite.join(model)" in alone, alone
+
+    # lite.join: ranks with 3, 1, 0 and 2 batches, every step as one process computes it
+    expected = _joined_reference()
+    for r, mine in enumerate(ranks):
+        for block, want in zip(mine["join"], expected, strict=True):
+            assert block["steps"] == sum(JOIN_BATCHES)
+            assert_close(block["params"], want["params"], 1e-6, f"rank {r}'s joined parameters")
+            for key in ("losses", "norms"):  # what this rank saw while it still had data
+                if not JOIN_BATCHES[r] or not want[key]:
+                    assert block[key] == [], (r, key)  # rank 2 has none; only the first block clips
+                else:
+                    assert_close(block[key], want[key][: JOIN_BATCHES[r]], 1e-5, f"rank {r}'s {key}")
+
+
+def test_hsdp_replicate_degree_is_validated():
+    machine = lite.Machine(cpu_count=4, has_script=False)
+    for bad in (0, -2, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match=rf"FSDPStrategy\(replicate_degree={bad!r}\) is not valid.*'auto'"):
+            lite.FSDPStrategy(replicate_degree=bad)
+    with pytest.raises(ValueError, match=r"replicate_degree=3\) does not fit a run of 4 processes.*one of \[1, 2, 4\]"):
+        lite.resolve(
+            strategy=lite.FSDPStrategy(replicate_degree=3), devices=4, accelerator="cpu", env={}, machine=machine
+        )
+    plan = lite.resolve(
+        strategy=lite.FSDPStrategy(replicate_degree=2), devices=4, accelerator="cpu", env={}, machine=machine
+    )
+    assert "replicate_degree=2" in plan.strategy.describe()
+    assert hsdp_shape(2, 4, per_node=4) == (2, 2) and hsdp_shape(4, 4, per_node=4) == (4, 1)
+    assert hsdp_shape("auto", 8, per_node=4) == (2, 4)  # one replica per node, sharded within it
+    assert hsdp_shape("auto", 4, per_node=4) == (1, 4)  # one node: plain FSDP
+    with pytest.raises(ValueError, match=r"replicate_degree='auto'.*6 processes.*nodes of 4"):
+        hsdp_shape("auto", 6, per_node=4)

@@ -37,6 +37,8 @@ STRATEGIES: dict[str, Entry] = {
     "ddp_fork": Entry(DDPStrategy, {"start_method": "fork"}),
     "ddp_notebook": Entry(DDPStrategy, {"start_method": "fork"}),
     "fsdp": Entry(FSDPStrategy),
+    # HSDP as multi-node runs want it: one replica per node, sharded over the node's processes
+    "hsdp": Entry(FSDPStrategy, {"replicate_degree": "auto"}),
     # the plan is the user's: by name it runs until lite.setup, which asks for the instance
     "model_parallel": Entry(ModelParallelStrategy),
     "deepspeed": Entry(DeepSpeedStrategy),

@@ -11,6 +11,16 @@ IN, HIDDEN = 16, 64
 STEPS = 3  # plain steps, then one accumulation step with clipping
 BATCH = 8  # global batch: rank r takes rows r::2
 CLIP = 0.05
+# lite.join under HSDP (4 ranks, tests/scripts/hsdp.py): rank r reads JOIN_BATCHES[r] batches of
+# JOIN_BATCH rows of its own, one rank none at all
+JOIN_BATCH, JOIN_BATCHES = 2, (3, 1, 0, 2)
+JOIN_SEED, JOIN_CLIP = 3, 0.5
+
+
+def join_rows(rank: int) -> list[int]:
+    """The rows rank ``rank`` reads inside lite.join: a block of its own after the ranks before it."""
+    start = JOIN_BATCH * sum(JOIN_BATCHES[:rank])
+    return list(range(start, start + JOIN_BATCH * JOIN_BATCHES[rank]))
 
 
 def make_net() -> torch.nn.Module:

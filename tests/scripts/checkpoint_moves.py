@@ -1,7 +1,8 @@
 """Checkpoints move between strategies and world sizes (tests/test_checkpoint_moves.py).
 
 argv: folder, then launches as JSON: ``[[strategy, devices, [job, ...]], ...]``, run one after
-another in this process (several only on one process). Jobs, each with fresh objects:
+another in this process (several only on one process); ``hsdp`` stands for
+``FSDPStrategy(replicate_degree=2)``. Jobs, each with fresh objects:
 
 - ``save:NAME``: train epoch 0 from seed 0, save model, optimizer, loader, step and a note to
   ``folder/NAME``;
@@ -168,9 +169,13 @@ def paths(name):
 
 JOBS = {"save": save, "load": load, "bigsave": big_save, "bigload": big_load, "plain": plain, "paths": paths}
 
+# names of this script for strategies no launch(strategy=) name stands for
+INSTANCES = {"hsdp": lambda: lite.FSDPStrategy(replicate_degree=2)}
+
 results = []
 for strategy, devices, jobs in launches:
-    with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
+    chosen = INSTANCES[strategy]() if strategy in INSTANCES else strategy
+    with lite.launch(strategy=chosen, devices=devices, accelerator="cpu", timeout=60) as run:
         done = {}
         for job in jobs:
             kind, name = job.split(":")

@@ -6,6 +6,8 @@ does not change from DDP: ``lite.setup(model, AdamW(model.parameters()))`` works
 ``fully_shard`` replaces every parameter by a sharded ``DTensor`` (the optimizer is re-pointed
 at the new parameters), and ``lite.sharded_init()`` builds the model on the meta device and
 later fills each shard with exactly the values an unsharded build with the same seed has.
+With ``replicate_degree`` above 1 (HSDP, ``hybrid.py``) the processes are sharded in groups
+and the groups replicate each other; nothing else changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._io.consolidate import optimizer_state_to_indices
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
+from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate_degree, hsdp_shape
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.join import FSDPReplay
 from scopedlite._strategies.fsdp.methods import count_depth, gather_for_user_methods
@@ -33,6 +36,8 @@ from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from scopedlite._core.run import Placement
 
 # A callable auto_wrap_policy: True for a submodule that becomes its own FSDP unit.
@@ -120,6 +125,14 @@ class FSDPStrategy(ProcessGroupStrategy):
         state_dict_type: What ``lite.save`` writes: ``"sharded"`` (a folder written by every
             rank through ``torch.distributed.checkpoint``, no gathering) or ``"full"`` (one
             file with the whole model, gathered to rank 0).
+        replicate_degree: HSDP: the number of replicas of the model. The processes are split
+            into that many groups of consecutive ranks; each group holds one copy of the
+            model sharded over its processes, and the groups all-reduce their gradients
+            (``fully_shard`` over a ``(replicate, shard)`` ``DeviceMesh``; torchtitan's
+            ``data_parallel_replicate_degree``, Accelerate's ``dp_replicate_size``). Must
+            divide the world size. ``1`` (the default) shards over every process; ``"auto"``
+            makes one replica per node, so that all-gathers and reduce-scatters stay inside
+            a node and only one all-reduce per unit crosses nodes.
         start_method: As for :class:`DDPStrategy`: ``"script"``, ``"fork"`` or None.
         process_group_backend: ``"gloo"`` or ``"nccl"``; None picks NCCL on CUDA, else gloo.
     """
@@ -136,6 +149,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         state_dict_type: str = "sharded",
         start_method: str | None = None,
         process_group_backend: str | None = None,
+        replicate_degree: int | str = 1,
     ) -> None:
         self.wrap_classes: frozenset[type[torch.nn.Module]] = frozenset()
         self.wrap_policy: WrapPolicy | None = None
@@ -155,7 +169,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
+        self.replicate_degree = check_replicate_degree(replicate_degree)
         super().__init__(process_group_backend=process_group_backend, start_method=start_method)
+        self._fsdp_mesh: DeviceMesh | None = None  # HSDP's (replicate, shard) mesh; None: the world's
 
     def check(self, accelerator: str, world_size: int, precision: str) -> None:
         super().check(accelerator, world_size, precision)
@@ -164,6 +180,8 @@ class FSDPStrategy(ProcessGroupStrategy):
         problem = fsdp2_problem(torch.distributed.fsdp, torch.__version__)
         if problem:
             raise ImportError(problem)
+        if self.replicate_degree != "auto":  # else: needs the node size, known at start
+            hsdp_shape(self.replicate_degree, world_size, per_node=world_size)
         if self.cpu_offload and accelerator == "cpu":
             raise ValueError(
                 "FSDPStrategy(cpu_offload=True) moves shards from an accelerator to the CPU, "
@@ -176,14 +194,21 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
 
     def describe(self) -> str:
+        hybrid = f", replicate_degree={self.replicate_degree!r}" if self.replicate_degree != 1 else ""
         return (
             f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, "
-            f"cpu_offload={self.cpu_offload}, state_dict_type={self.state_dict_type!r})"
+            f"cpu_offload={self.cpu_offload}, state_dict_type={self.state_dict_type!r}{hybrid})"
         )
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
+        shape = hsdp_shape(self.replicate_degree, placement.world_size, placement.local_world_size)
         super().start(placement, rendezvous)
+        self._fsdp_mesh = None
+        if shape[0] > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._fsdp_mesh = init_device_mesh(placement.device.type, shape, mesh_dim_names=(REPLICATE, SHARD))
         self._init_records = InitRecords()
         # id(parameter before sharding) -> weak refs to it and to the sharded parameter replacing
         # it (weak: a model the user drops is released, its parameters with it)
@@ -203,6 +228,7 @@ class FSDPStrategy(ProcessGroupStrategy):
     def stop(self) -> None:
         if getattr(self, "_ledger", None) is not None:
             self._ledger.close()
+        self._fsdp_mesh = None
         super().stop()
 
     # -- building and sharding ------------------------------------------------------------
@@ -265,6 +291,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": self._mp_policy(),
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+            "mesh": self._fsdp_mesh,  # None: FSDP2's own, over the whole world
         }
         for sub in reversed(list(module.modules())):  # children before parents
             if sub is not module and self._wraps(sub):
