@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["REPLICATE", "SHARD", "check_replicate_degree", "hsdp_shape"]
+__all__ = ["REPLICATE", "SHARD", "check_replicate_degree", "hsdp_shape", "square_divisor"]
 
 REPLICATE = "replicate"
 SHARD = "shard"
@@ -46,7 +46,7 @@ def hsdp_shape(replicate_degree: int | str, world_size: int, per_node: int) -> t
     degree = int(replicate_degree)
     if world_size % degree:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        example = _example(world_size)
+        example = square_divisor(world_size)
         raise ValueError(
             f"FSDPStrategy(replicate_degree={degree}) does not fit a run of {world_size} "
             f"processes: the number of replicas must divide the world size, each replica "
@@ -57,6 +57,7 @@ def hsdp_shape(replicate_degree: int | str, world_size: int, per_node: int) -> t
     return degree, world_size // degree
 
 
-def _example(n: int) -> int:
-    """A suggestion: the largest divisor of ``n`` not above its square root."""
+def square_divisor(n: int) -> int:
+    """A suggestion for a 2D mesh of ``n`` processes: the largest divisor of ``n`` not above
+    its square root (also ``model_parallel``'s)."""
     return max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)

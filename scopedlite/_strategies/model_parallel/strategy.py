@@ -32,6 +32,7 @@ import torch
 from scopedlite._comm.replicas import one_per_replica, reduce_rows
 from scopedlite._comm.wire import wire_dtype
 from scopedlite._strategies.base import ReduceOp, Rendezvous
+from scopedlite._strategies.fsdp.hybrid import square_divisor
 from scopedlite._strategies.fsdp.strategy import FSDPStrategy
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def mesh_shape(data_parallel: int | str, tensor_parallel: int | str, world_size:
     elif tp == "auto":
         tp = world_size // dp if world_size % dp == 0 else 0  # type: ignore[operator]
     if int(dp) * int(tp) != world_size:
-        suggestion = _divisor(world_size)
+        suggestion = square_divisor(world_size)
         both_auto = (data_parallel, tensor_parallel) == ("auto", "auto")
         raise ValueError(
             f"ModelParallelStrategy(data_parallel={data_parallel!r}, tensor_parallel={tensor_parallel!r}) "
@@ -80,11 +81,6 @@ def mesh_shape(data_parallel: int | str, tensor_parallel: int | str, world_size:
             f"tensor_parallel={world_size // suggestion}), or change devices=."
         )
     return int(dp), int(tp)
-
-
-def _divisor(n: int) -> int:
-    """A suggestion: the largest divisor of ``n`` not above its square root."""
-    return max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
 
 
 class ModelParallelStrategy(FSDPStrategy):
