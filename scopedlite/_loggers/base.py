@@ -115,6 +115,10 @@ class MetricLog:
             for logger in self.loggers:
                 logger.log_metrics(group, at)
 
+    def last_step(self, name: str) -> int | None:
+        """The last step ``name`` was logged at (checked on every rank alike), or None."""
+        return self._last_step.get(name)
+
     def finish(self, failed: bool) -> None:
         """Flush and close every logger (end of the launch block, successful or not).
 
