@@ -52,7 +52,9 @@ from ._launch.supervise import RankFailure as RankFailure
 from ._launch.supervise import WorkerFailedError as WorkerFailedError
 from ._loggers.base import Logger as Logger
 from ._loggers.csv import CSVLogger as CSVLogger
+from ._loggers.mlflow import MLFlowLogger as MLFlowLogger
 from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
+from ._loggers.wandb import WandbLogger as WandbLogger
 from ._plan import Plan as Plan
 from ._plan import resolve as resolve
 from ._strategies.base import Strategy as Strategy
