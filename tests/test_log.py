@@ -232,6 +232,7 @@ def test_wandb_offline_and_mlflow_get_what_rank_0_logged(tmp_path):
     result = run_warm(SCRIPTS / "trackers.py", tmp_path, tmp_path=tmp_path, env=env, timeout=120)
     assert result.returncode == 0, result.explain()
     runs = result.json()
+    assert runs["imported_early"] == []  # imported on rank 0's first write, not by scopedlite
     logged = [
         (0, "loss", 0.1 + 0.2), (1, "loss", 0.25), (3, "val_loss", 2.5), (10, "acc", 0.5), (10, "loss", 1 / 3),
         (10, "rank", 0.0), (11, "acc", 0.75), (12, "mean", 0.5),

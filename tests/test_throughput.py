@@ -152,6 +152,14 @@ def test_one_process_windows_and_the_cpu_has_no_peak():
     assert last["throughput/mfu"] == pytest.approx(last["throughput/flops_per_sec"] / 100.0, rel=1e-12)
 
 
+def test_flops_given_per_step_on_a_cpu_warn_that_mfu_is_not_logged():
+    with pytest.warns(RuntimeWarning, match=r"logs no MFU") as caught:
+        with lite.throughput(window=1) as meter:
+            for _ in range(3):
+                meter.step(flops=5)
+    assert len(caught) == 1  # once
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -123,14 +123,9 @@ class _Throughput(Scope["_Throughput"]):
     def _enter(self) -> _Throughput:
         self._run = run = current()
         self.peak_flops = self._given_peak if self._given_peak is not None else table_peak(run.device)
-        if self.peak_flops is None and (self._per_sample or self._per_token) and run.is_global_zero:
-            warnings.warn(
-                f"lite.throughput logs no MFU: no peak FLOP/s is known for {run.device} in "
-                f"{run.precision.name} (lite.peak_flops() lists the devices known). Pass the "
-                "device's peak: `lite.throughput(..., peak_flops=312e12)`.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self._warned = False
+        if self._per_sample is not None or self._per_token is not None:
+            self._no_peak(stacklevel=4)
         self._offset = last_step(self.prefix + "time") or 0  # a later meter continues the axis
         self._row = torch.zeros(10, dtype=torch.float64)
         self._row[_RANK] = run.data_parallel_rank
@@ -230,6 +225,19 @@ class _Throughput(Scope["_Throughput"]):
         received = gather_for_metrics(data.to(self._run.device)).cpu()
         self._kept, self._window, self._totals = pickle.loads(received.numpy().tobytes())
 
+    def _no_peak(self, stacklevel: int) -> None:
+        """FLOPs are counted but no peak is known: say once, on rank 0, that MFU is not logged."""
+        run = self._run
+        if self.peak_flops is None and not self._warned and run.is_global_zero:
+            self._warned = True
+            warnings.warn(
+                f"lite.throughput logs no MFU: no peak FLOP/s is known for {run.device} in "
+                f"{run.precision.name} (see lite.peak_flops). Pass the device's peak: "
+                "`lite.throughput(..., peak_flops=312e12)`.",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
+
     def _record(self, window: _Window, totals: _Window) -> dict[str, float]:
         p, seconds, devices = self.prefix, max(window.seconds, 1e-12), self._run.world_size
         record = {f"{p}steps_per_sec": window.steps / seconds}
@@ -241,6 +249,8 @@ class _Throughput(Scope["_Throughput"]):
                 record[f"{p}{name}"] = getattr(totals, name)
         if totals.given & _FLOPS_GIVEN and self.peak_flops is not None:
             record[f"{p}mfu"] = window.flops / seconds / devices / self.peak_flops
+        elif totals.given & _FLOPS_GIVEN:
+            self._no_peak(stacklevel=5)
         record[f"{p}time"] = totals.seconds
         record[f"{p}ranks"] = float(len(window.ranks))
         return record

@@ -16,6 +16,9 @@ folder = sys.argv[1]
 wandb_logger = lite.WandbLogger(project="lite-test", save_dir=folder, mode="offline", config={"lr": 0.1})
 mlflow_logger = lite.MLFlowLogger("lite-test", tracking_uri=f"file:{folder}/mlruns", params={"lr": 0.1})
 loggers = [wandb_logger, mlflow_logger]
+for name in lite.__all__:  # every public module loaded, both loggers built: neither package imported yet
+    getattr(lite, name)
+imported_early = sorted(m for m in ("wandb", "mlflow") if m in sys.modules)
 
 with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=loggers) as run:
     lite.log("loss", torch.tensor(0.1 + 0.2, dtype=torch.float64))  # step 0
@@ -34,4 +37,4 @@ try:
 except KeyError:
     pass
 second = {"wandb": [wandb_logger.run_id, str(wandb_logger.run_dir)], "mlflow": mlflow_logger.run_id}
-write({"first": first, "second": second})
+write({"first": first, "second": second, "imported_early": imported_early})
