@@ -16,10 +16,10 @@ from ._api.collectives import gather_for_metrics as gather_for_metrics
 from ._api.current import current as current
 from ._api.dataloader import setup_dataloader as setup_dataloader
 from ._api.flops import measure_flops as measure_flops
-from ._api.flops import peak_flops as peak_flops
 from ._api.join import join as join
 from ._api.log import log as log
 from ._api.log import log_dict as log_dict
+from ._api.peak import peak_flops as peak_flops
 from ._api.pretrained import load_pretrained as load_pretrained
 from ._api.profiling import profile as profile
 from ._api.progress import progress as progress

@@ -205,6 +205,9 @@ def test_throughput_on_two_ranks_under_ddp_and_fsdp(script):
     assert result.returncode == 0, result.explain()
     out = result.json()
     assert out["flops_per_sample"] == FLOPS_PER_SAMPLE == 176
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))  # make_model
+    assert lite.measure_flops(model, lambda: model(torch.empty(1, 4, device="meta")), lambda y: y.sum()) == 176
     for strategy in ("ddp", "fsdp"):
         calls = out[strategy]
         for prefix, block in ("throughput/", "A B"), ("c/", "C"):

@@ -32,9 +32,9 @@ import torch
 
 from scopedlite._api.collectives import all_gather, gather_for_metrics
 from scopedlite._api.current import current
-from scopedlite._api.flops import peak_flops as table_peak
 from scopedlite._api.join import active_session
 from scopedlite._api.log import last_step, log_dict
+from scopedlite._api.peak import peak_flops as table_peak
 from scopedlite._core.scope import Scope
 
 __all__ = ["throughput"]

@@ -29,9 +29,8 @@ def train_step(model, opt, x, y):
     opt.zero_grad()
 
 
-with torch.device("meta"):
-    meta_model = make_model()
-FLOPS = lite.measure_flops(meta_model, lambda: meta_model(torch.empty(1, 4, device="meta")), lambda y: y.sum())
+FLOPS = 176  # one sample of make_model, forward and backward: tests/test_throughput.py counts it and
+# checks lite.measure_flops (not called here: importing torch's counter takes seconds)
 
 
 def blocks(strategy):
