@@ -116,6 +116,7 @@ class PassCursor:
         self.position += 1
         if self.position == self.switch_at:
             self.session.start_rounds()
+            self.session.passes.discard(self)  # the rounds run from here: nothing more to tell
 
     def end(self) -> None:
         self.session.ended += 1
@@ -124,7 +125,7 @@ class PassCursor:
     def before_switch(self) -> bool:
         """Whether the batch in hand may be the shortest rank's last (the rounds start at
         the next ask): the same answer on every rank, which are all at this position."""
-        return self.switch_at is not None and self.position + 1 >= self.switch_at
+        return self.switch_at is not None and self.position + 1 == self.switch_at
 
 
 class ReplaySession:
