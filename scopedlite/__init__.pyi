@@ -15,9 +15,11 @@ from ._api.collectives import broadcast as broadcast
 from ._api.collectives import gather_for_metrics as gather_for_metrics
 from ._api.current import current as current
 from ._api.dataloader import setup_dataloader as setup_dataloader
+from ._api.flops import measure_flops as measure_flops
 from ._api.join import join as join
 from ._api.log import log as log
 from ._api.log import log_dict as log_dict
+from ._api.peak import peak_flops as peak_flops
 from ._api.pretrained import load_pretrained as load_pretrained
 from ._api.profiling import profile as profile
 from ._api.progress import progress as progress
@@ -35,6 +37,7 @@ from ._api.setup import to_device as to_device
 from ._api.sharded_init import sharded_init as sharded_init
 from ._api.stop import should_stop as should_stop
 from ._api.sync import no_backward_sync as no_backward_sync
+from ._api.throughput import throughput as throughput
 from ._comm.debug import CollectiveMismatchError as CollectiveMismatchError
 from ._comm.replicas import ReplicaValuesDifferError as ReplicaValuesDifferError
 from ._comm.signature import ShapeMismatchError as ShapeMismatchError
@@ -50,7 +53,9 @@ from ._launch.supervise import RankFailure as RankFailure
 from ._launch.supervise import WorkerFailedError as WorkerFailedError
 from ._loggers.base import Logger as Logger
 from ._loggers.csv import CSVLogger as CSVLogger
+from ._loggers.mlflow import MLFlowLogger as MLFlowLogger
 from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
+from ._loggers.wandb import WandbLogger as WandbLogger
 from ._plan import Plan as Plan
 from ._plan import resolve as resolve
 from ._strategies.base import Strategy as Strategy

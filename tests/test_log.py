@@ -5,10 +5,12 @@ ranks, and on disk after a failing block."""
 from __future__ import annotations
 
 import csv
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_warm
+from conftest import SCRIPTS, run_warm
 
 import scopedlite as lite
 
@@ -162,3 +164,122 @@ def test_csv_rows_reach_the_file_as_they_are_logged(tmp_path):
     with lite.launch(accelerator="cpu", loggers=lite.CSVLogger(tmp_path / "m.csv")):
         lite.log("x", 1.5)
         assert rows(tmp_path / "m.csv") == [(0, "x", 1.5)]  # before the block ends: a SIGKILL loses nothing
+
+
+# -- Weights & Biases (offline) and MLflow (a local folder store), read back with their own code --
+
+
+def wandb_records(run_dir):
+    """The records of a W&B offline run file, parsed with wandb's own protobuf classes.
+
+    The file is a log of records (wandb's datastore format): a 7-byte header (":W&B",
+    magic 0xBEE1, version 0), then 32 KiB blocks of chunks, each with a 7-byte header
+    (CRC-32C, length, type: 1 full, 2 first, 3 middle, 4 last); a block's tail shorter than a
+    header is padding."""
+    import struct
+    from pathlib import Path
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(run_dir).glob("run-*.wandb")
+    data = path.read_bytes()
+    assert data[:7] == b":W&B" + struct.pack("<HB", 0xBEE1, 0), data[:7]
+    records, pos, parts = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zeros: the rest of the block is padding
+            pos += left
+            continue
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+def wandb_values(records):
+    """(lite/step, name, value) of every history row, and the run's exit code."""
+    import json
+
+    values, exit_code = [], None
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            values += [(row["lite/step"], k, v) for k, v in row.items() if not k.startswith("_") and k != "lite/step"]
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
+    return sorted(values), exit_code
+
+
+TRACKERS = {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}
+
+
+@pytest.mark.timeout(150)
+def test_wandb_offline_and_mlflow_get_what_rank_0_logged(tmp_path):
+    for package in ("wandb", "mlflow"):  # found, not imported: mlflow takes seconds
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"lite.{TRACKERS[package]} needs {package}: pip install 'scopedlite[{package}]'")
+
+    env = {"MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    result = run_warm(SCRIPTS / "trackers.py", tmp_path, tmp_path=tmp_path, env=env, timeout=120)
+    assert result.returncode == 0, result.explain()
+    runs = result.json()
+    assert runs["imported_early"] == []  # imported on rank 0's first write, not by scopedlite
+    logged = [
+        (0, "loss", 0.1 + 0.2), (1, "loss", 0.25), (3, "val_loss", 2.5), (10, "acc", 0.5), (10, "loss", 1 / 3),
+        (10, "rank", 0.0), (11, "acc", 0.75), (12, "mean", 0.5),
+    ]  # fmt: skip
+    (first_id, first_dir), (second_id, second_dir) = runs["first"]["wandb"], runs["second"]["wandb"]
+    assert first_id != second_id  # a reused logger starts a new run in a later block
+    assert sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*")) == sorted(
+        [Path(first_dir).name, Path(second_dir).name]
+    )  # rank 1 started no run
+    assert wandb_values(wandb_records(first_dir)) == (sorted(logged), 0)  # exact float64 values
+    assert wandb_values(wandb_records(second_dir)) == ([(0, "loss", 7.0)], 1)
+    config = next(r.run.config for r in wandb_records(first_dir) if r.WhichOneof("record_type") == "run")
+    assert {item.key: item.value_json for item in config.update}["lr"] == "0.1"
+
+    # MLflow's folder store, read as files: in maintenance mode since MLflow 3, its format no
+    # longer changes (importing mlflow here would cost seconds more)
+    first, second = (mlflow_run(tmp_path / "mlruns", runs[block]["mlflow"]) for block in ("first", "second"))
+    assert first["metrics"] == sorted(logged)
+    assert first["status"] == "FINISHED" and first["params"] == {"lr": "0.1"}
+    assert second["metrics"] == [(0, "loss", 7.0)] and second["status"] == "FAILED"
+    assert first["experiment"] == second["experiment"] == "lite-test"
+
+
+def mlflow_run(store, run_id):
+    """One run of an MLflow folder store: metrics/<name> holds "<ms> <value> <step>" lines,
+    params/<name> the value, meta.yaml the status (mlflow.entities.RunStatus: 3 FINISHED,
+    4 FAILED)."""
+    (run,) = store.glob(f"*/{run_id}")
+    fields = dict(line.split(": ", 1) for line in (run / "meta.yaml").read_text().splitlines() if ": " in line)
+    experiment = dict(line.split(": ", 1) for line in (run.parent / "meta.yaml").read_text().splitlines() if ": " in line)
+    metrics = [
+        (int(step), path.name, float(value))
+        for path in (run / "metrics").iterdir()
+        for _, value, step in (line.split() for line in path.read_text().splitlines())
+    ]
+    return {
+        "metrics": sorted(metrics),
+        "params": {path.name: path.read_text() for path in (run / "params").iterdir()},
+        "status": {"3": "FINISHED", "4": "FAILED"}.get(fields["status"], fields["status"]),
+        "experiment": experiment["name"],
+    }
+
+
+def test_tracker_loggers_check_their_arguments():
+    with pytest.raises(ValueError, match=r"mode='offfline'"):
+        lite.WandbLogger(mode="offfline")
+    with pytest.raises(TypeError, match=r"save_dir=3"):
+        lite.WandbLogger(save_dir=3)
+    with pytest.raises(TypeError, match=r"experiment_name=''"):
+        lite.MLFlowLogger("")

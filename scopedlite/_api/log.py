@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from scopedlite._core.run import active_launch
 from scopedlite._loggers.base import MetricLog
 
-__all__ = ["log", "log_dict"]
+__all__ = ["last_step", "log", "log_dict"]
 
 
 def _metric_log() -> MetricLog:
@@ -40,3 +40,9 @@ def log(name: str, value: Any, step: int | None = None) -> None:
 def log_dict(metrics: Mapping[str, Any], step: int | None = None) -> None:
     """Log several numbers at once, all at ``step`` (see :func:`log`)."""
     _metric_log().record(metrics, step)
+
+
+def last_step(name: str) -> int | None:
+    """The last step ``name`` was logged at in the active run (None: never), the same on
+    every rank; a later ``lite.throughput`` block continues its axis from there."""
+    return _metric_log().last_step(name)

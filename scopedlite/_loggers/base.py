@@ -22,8 +22,8 @@ __all__ = ["Logger", "MetricLog", "check_loggers"]
 class Logger(Protocol):
     """What ``launch(loggers=[...])`` accepts: two methods, called on global rank 0 only.
 
-    Write your own for any tracker (Weights & Biases, MLflow, ...) by defining them; no base
-    class is needed.
+    Write your own for any tracker (Neptune, Comet, a database, ...) by defining them; no base
+    class is needed. ``lite.WandbLogger`` and ``lite.MLFlowLogger`` are two such classes.
     """
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -44,7 +44,8 @@ def check_loggers(loggers: object) -> tuple[Logger, ...]:
             raise TypeError(
                 f"loggers[{i}]={logger!r} is not a logger: it needs the methods "
                 "log_metrics(metrics, step) and finalize(status) (see lite.Logger). Use "
-                "lite.CSVLogger(path), lite.TensorBoardLogger(log_dir) or a class of your own."
+                "lite.CSVLogger(path), lite.TensorBoardLogger(log_dir), lite.WandbLogger(...), "
+                "lite.MLFlowLogger(...) or a class of your own."
             )
     return tuple(items)
 
@@ -114,6 +115,10 @@ class MetricLog:
         for at, group in by_step.items():
             for logger in self.loggers:
                 logger.log_metrics(group, at)
+
+    def last_step(self, name: str) -> int | None:
+        """The last step ``name`` was logged at (checked on every rank alike), or None."""
+        return self._last_step.get(name)
 
     def finish(self, failed: bool) -> None:
         """Flush and close every logger (end of the launch block, successful or not).

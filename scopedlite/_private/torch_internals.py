@@ -19,6 +19,7 @@ __all__ = [
     "OpFacts",
     "OpInterceptor",
     "compiled_parts",
+    "cpu_attention_ops",
     "ddp_reducer_is_reducing",
     "default_store",
     "forget_dtensor_shardings",
@@ -195,6 +196,18 @@ def default_store() -> Any:
     way to reach the store every rank of the group already shares. Checked against torch 2.13.
     """
     return distributed_c10d._get_default_store()
+
+
+def cpu_attention_ops() -> tuple[Any, Any]:
+    """The ATen ops ``F.scaled_dot_product_attention`` runs on CPU tensors (forward, backward).
+
+    Why private: ``torch.utils.flop_counter.FlopCounterMode`` takes formulas for ops it does
+    not know through its public ``custom_mapping``, keyed by the op; torch 2.13's counter
+    knows the CUDA attention kernels but not this CPU one (it counts it as 0 FLOPs), and the
+    op has no public name. Checked against torch 2.13.
+    """
+    aten = torch.ops.aten
+    return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def ddp_reducer_is_reducing(ddp: Any) -> bool:

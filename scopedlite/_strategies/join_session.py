@@ -78,6 +78,9 @@ class NoJoin(contextlib.nullcontext):  # type: ignore[type-arg]
     def loader_pass(self, length: int | None) -> None:
         return None
 
+    def shares_every_step(self) -> bool:
+        return False
+
 
 class JoinCollectives:
     """The payload side of our collectives inside a join session.

@@ -119,9 +119,16 @@ class PassCursor:
         self.position += 1
         if self.position == self.switch_at:
             self.session.start_rounds()
+            self.session.passes.discard(self)  # the rounds run from here: nothing more to tell
 
     def end(self) -> None:
         self.session.ended += 1
+        self.session.passes.discard(self)
+
+    def before_switch(self) -> bool:
+        """Whether the batch in hand may be the shortest rank's last (the rounds start at
+        the next ask): the same answer on every rank, which are all at this position."""
+        return self.switch_at is not None and self.position + 1 == self.switch_at
 
 
 class ReplaySession:
@@ -163,6 +170,7 @@ class ReplaySession:
         self.outputs: dict[int, list[torch.Tensor]] = {}  # forward number -> replayed outputs
         self.own_unsynced = [False] * len(models)  # this rank's last own backward skipped the sync
         self._recording_started = False
+        self.passes: set[PassCursor] = set()  # passes of set-up loaders under way on this rank
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
@@ -313,6 +321,14 @@ class ReplaySession:
             self._recording_started = True
             self.events.start()
 
+    def shares_every_step(self) -> bool:
+        """Whether code that shares per-rank counts at intervals (``lite.throughput``) must
+        share them at every step from here: the rounds run, so a rank may run out of data
+        before the next interval, and what it counted would be left out: the rounds run, or
+        the batch in hand may be the shortest rank's last. False while every rank has data
+        for more; the same answer on every running rank."""
+        return self.rounds or any(cursor.before_switch() for cursor in self.passes)
+
     def loader_pass(self, length: int | None) -> PassCursor:
         """A pass over a set-up loader begins with ``length`` batches on this rank (None:
         unknown): the ranks agree on their lengths, and run free while all have data."""
@@ -321,12 +337,14 @@ class ReplaySession:
         lengths = [round_.openers[r].length for r in round_.runners]
         if len(round_.runners) < self.world_size or min(lengths) <= 0:
             self.start_rounds()
-            return PassCursor(self, None)
+            return PassCursor(self, None)  # rounds from here: every step is shared anyway
         if self.rounds:
             self.rounds = False
             self.events.pause()
             self.outputs.clear()
-        return PassCursor(self, min(lengths) if min(lengths) != max(lengths) else None)
+        cursor = PassCursor(self, min(lengths) if min(lengths) != max(lengths) else None)
+        self.passes.add(cursor)
+        return cursor
 
     def _free_round(self, opener: Opener) -> Round:
         round_ = self._exchange(opener.with_events((), True, self.ended))
