@@ -18,6 +18,7 @@ with one-process references computed with plain torch:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -125,20 +126,26 @@ def _nanogpt_reference(args) -> tuple[torch.nn.Module, list[float]]:
     return model, logged
 
 
+@functools.cache
+def _nanogpt_run(clip: float) -> tuple[dict[str, list[float]], list[float]]:
+    """The reference's parameters and logged losses, clipping at ``clip`` (0: none); computed
+    once per session (seconds each), shared by the three strategies' tests."""
+    args = nanogpt.arguments(["--max-iters", "7", "--gradient-accumulation-steps", "2", "--grad-clip", str(clip)])
+    model, logged = _nanogpt_reference(args)
+    return _state(model), logged
+
+
 def _check_nanogpt(result: dict, tolerance: float) -> None:
     """The script's nanoGPT runs (clipping at 0.3: every step's norm is above it) against the reference."""
-    args = nanogpt.arguments(["--max-iters", "7", "--gradient-accumulation-steps", "2", "--grad-clip", "0.3"])
-    reference, logged = _nanogpt_reference(args)
+    reference, logged = _nanogpt_run(0.3)
     assert sorted(result["nanogpt"]) == ["join", "plain"]
     for where, seen in result["nanogpt"].items():
         assert seen["same"], f"{where}: parameters differ between the ranks"
-        assert_close(seen["params"], _state(reference), tolerance, where)
+        assert_close(seen["params"], reference, tolerance, where)
         assert_close(seen["losses"], logged, 1e-5, f"{where}: rank 0's logged losses")
     assert logged[-1] < logged[0] * 0.8, logged  # and it learns
     # clipping was active: without it the parameters end elsewhere (1.5e-2 away)
-    args.grad_clip = 0.0
-    unclipped, _ = _nanogpt_reference(args)
-    assert max_diff(_state(unclipped), _state(reference)) > 100 * tolerance
+    assert max_diff(_nanogpt_run(0.0)[0], reference) > 100 * tolerance
 
 
 @pytest.mark.timeout(RUN_S + 30)
