@@ -259,7 +259,15 @@ def test_zero3_sharded_init_checkpoint_and_refusals(script, tmp_path):
     assert out["step"] == 3 and out["rest"] == {"note": "hello"}
     assert out["env_restored"]
     assert out["leftovers"] == ["ckpt"]  # saved again over it: no temporary folder left
-    assert out["evaluator"] == ["SetUpDeepSpeedEngine", 5]
+    # the evaluation engine (set up without an optimizer, gathered by ZeRO-3 for its forward):
+    # on every rank the outputs of the same model built in one process
+    assert out["evaluator"] == "SetUpDeepSpeedEngine"
+    torch.manual_seed(0)
+    evaluator = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    probe = torch.randn(5, 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = evaluator(probe).flatten().tolist()
+    assert_close(out["evaluated"], [expected, expected], 1e-6, "the evaluation engine's outputs on each rank")
     # one fp32 state dict, loaded into the plain model, gives the same outputs
     assert out["consolidated_keys"] == sorted(plain.state_dict())
     assert_close(out["consolidated"], out["at_save"], 1e-6, "the consolidated model's outputs")

@@ -20,7 +20,7 @@ import pytest
 from conftest import SCRIPTS, _env
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import params, reference_training  # noqa: E402
+from _common import assert_close, max_diff, params, reference_training  # noqa: E402
 
 N, BATCH = 9, 2  # as in existing_group.py
 
@@ -32,9 +32,7 @@ def _check_runs(out: Path, strategy: str) -> None:
     reference = params(reference_training(N, 2, BATCH))
     for rank, record in enumerate(records):
         assert record["place"] == [rank, rank, 2, 2], strategy  # global, local, world, local world
-        assert len(record["params"]) == len(reference)
-        diff = max(abs(a - b) for got, want in zip(record["params"], reference) for a, b in zip(got, want))
-        assert diff < 1e-5, f"{strategy} rank {rank}: {diff}"
+        assert_close(record["params"], reference, 1e-5, f"{strategy} rank {rank}'s parameters")
         assert record["loaded"] == record["params"], f"{strategy}: the checkpoint did not load back"
         # The group was not destroyed: still there after the block, and it still reduces.
         assert record["group_after"] == [True, 2, "gloo", 2.0], strategy
@@ -85,4 +83,4 @@ def test_the_reference_is_not_the_untrained_model():
     """The comparison above can fail: training moved the parameters."""
     untrained = params(reference_training(N, 2, BATCH, lr=0.0))
     trained = params(reference_training(N, 2, BATCH))
-    assert max(abs(a - b) for u, t in zip(untrained, trained) for a, b in zip(u, t)) > 1e-2
+    assert max_diff(untrained, trained) > 1e-2

@@ -66,13 +66,12 @@ def test_fault_ends_the_run_cleanly(script, rank, mode, point, start):
         # the others time out in the collective; the error shows where every rank was
         assert out["error"] == "CollectiveTimeoutError", result.explain()
         assert f"--- rank {rank} (done with the block's body" in out["message"], out["message"]
-        out["latency"] -= out["timeout"]
     else:
         assert out["error"] == "WorkerFailedError", result.explain()
         assert out["ranks"] == [rank], out["message"]
         assert EXPECTED[mode] in out["message"], out["message"]
-    # found, not waited out: a missed failure waits for launch(timeout=30) (past it, for "skip")
-    assert out["latency"] is not None and out["latency"] < 15, out["latency"]
+        # found, not waited out: a missed failure ends only with launch(timeout=30)'s timeout
+        assert out["latency"] is not None and out["latency"] < out["timeout"], out["latency"]
     for pid in out["pids"]:
         if psutil.pid_exists(pid):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"

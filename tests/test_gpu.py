@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import textwrap
 
 import pytest
@@ -15,22 +16,37 @@ pytestmark = [
 
 
 def test_16_mixed_scales_the_loss_and_trains():
+    """The gradient back-propagated into a parameter is the scaler's scale times plain
+    torch's (fp16 autocast, unscaled), and the step sees it unscaled again."""
     import scopedlite as lite
 
     with lite.launch(accelerator="cuda", devices=1, precision="16-mixed"):
-        model = torch.nn.Linear(8, 1)
+        torch.manual_seed(0)
+        plain = torch.nn.Linear(8, 1).cuda()
+        model = copy.deepcopy(plain)
         model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         x, y = torch.randn(32, 8, device="cuda"), torch.randn(32, 1, device="cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            torch.nn.functional.mse_loss(plain(x), y).backward()
+        backpropagated = []
+        model.weight.register_hook(lambda g: backpropagated.append(g.detach().clone()))
+        scaler = lite.current().strategy.scaling.scaler
+        scale = scaler.get_scale()
+        assert scale > 1.0  # GradScaler's initial 65536
         losses = []
-        for _ in range(20):
+        for step in range(20):
             with lite.autocast():
                 loss = torch.nn.functional.mse_loss(model(x), y)
             lite.backward(loss)
-            opt.step()
+            if step == 0:
+                torch.testing.assert_close(backpropagated[0] / scale, plain.weight.grad, rtol=1e-2, atol=1e-5)
+                opt.step()  # unscales before stepping: the gradient is plain torch's again
+                torch.testing.assert_close(model.weight.grad, plain.weight.grad, rtol=1e-2, atol=1e-5)
+            else:
+                opt.step()
             opt.zero_grad()
             losses.append(loss.item())
         assert losses[-1] < losses[0]
-        assert lite.current().strategy.scaling.scaler is not None
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

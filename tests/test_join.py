@@ -15,13 +15,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import batches, make_data, make_model, reference_training, shards  # noqa: E402
+from _common import batches, make_data, make_model, max_diff, reference_training, shards  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 RUNS = [
     # strategy, ranks, configurations (samples, batch size, divide_by_initial_world_size)
-    ("ddp", 2, [(5, 2, True), (7, 2, False)]),  # rank 1 has one batch fewer; averaged over the active
+    ("ddp", 2, [(5, 2, True), (9, 2, False)]),  # rank 1 has one batch fewer; averaged over the active
     ("ddp", 3, [(10, 1, True), (2, 1, True)]),  # rank 0 has one batch more; rank 2 has no batch at all
     ("single", 1, [(7, 2, True)]),  # the same script on one process
 ]
@@ -77,6 +77,9 @@ def _check_join_run(ranks, world, n, batch, divide):
     for r in ranks:
         assert _flat(r["params"]) == _flat(ranks[0]["params"])
         assert _flat(r["params"]) == pytest.approx(expected, abs=1e-5)
+    if len({len(b) for b in per_rank_batches}) > 1:  # a rank leaves early: the divisor shows
+        other = reference_training(n, world, batch, divide_by_initial=not divide)
+        assert max_diff(expected, _flat([p.detach().flatten().tolist() for p in other.parameters()])) > 1e-4
 
     # Evaluation under no_grad in join: the metric equals the single-process metric.
     x, y = make_data(n).tensors
@@ -194,15 +197,11 @@ def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
         assert "LR scheduler" in errors["lr_by_hand"]
         assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
         assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
-        assert (
-            errors["two_forwards"].startswith("RuntimeError")
-            and "loss built from several forwards" in errors["two_forwards"]
-        )
-        if strategy == "fsdp":  # deepspeed refuses lite.clip_gradients altogether
-            assert (
-                errors["unknown_optimizer"].startswith("ValueError")
-                and "not set up in this run" in errors["unknown_optimizer"]
-            )
+        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
+        # clip_gradients with an optimizer set up in no run (DeepSpeed clips inside join too:
+        # test_join_training_suite_every_strategy): the join session refuses it under both
+        unknown = errors["unknown_optimizer"]
+        assert unknown.startswith("ValueError") and "lite.join got an optimizer that was not set up in this run" in unknown, unknown
         assert errors["after"] == 2
     _check_aborts(result.json())
 
@@ -334,7 +333,8 @@ def test_join_training_suite_every_strategy(script, strategy, world):
     ranks, cases = _train_run(script, strategy, world)
     for n, case in enumerate(cases):
         what = f"scenario {n} {case}"
-        if case["run"] == "eval":
+        if case["run"] == "eval":  # uneven: the ranks leave the loop after different numbers of batches
+            assert [ranks[r][n]["batches"] for r in range(world)] == {2: [4, 3], 3: [3, 2, 2]}[world], what
             for r in range(world):
                 assert ranks[r][n]["metric"] == pytest.approx(reference_eval(), rel=1e-5), what
             continue
@@ -362,7 +362,8 @@ def test_join_training_suite_every_strategy(script, strategy, world):
             assert record["lr"] == pytest.approx(expected[r]["lr"], rel=1e-12), what  # the scheduler was mirrored
             _close(record["params"], expected[r]["params"], f"{what}: rank {r}")
             _close(record["buffers"], expected[r]["buffers"], f"{what}: rank {r} buffers")
-            assert record["moments"] == ranks[0][n]["moments"], f"{what}: rank {r} optimizer state"
+            if strategy == "ddp":  # each rank's own optimizer state, as one process's
+                _close(record["moments"], expected[r]["moments"], f"{what}: rank {r} optimizer state")
 
 
 @pytest.mark.timeout(300)

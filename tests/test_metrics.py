@@ -11,7 +11,7 @@ pytest.importorskip("torchmetrics", reason="torchmetrics is in the test extra (p
 METRICS = """
 import json, os, torch, torchmetrics, scopedlite as lite
 
-N = 101                                  # 2 ranks: 51 + 50 samples; 3 ranks: 34 + 34 + 33
+N = 97  # 2 ranks: 49 + 48 samples, 13 and 12 batches of 4; 3 ranks: 33 + 32 + 32, 9, 8 and 8 batches
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(N, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (N,), generator=g)
 teacher = torch.nn.Linear(8, 3).double()  # fixed predictions, the same in every process
@@ -44,7 +44,7 @@ for n in (2, 3):
         model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
         loader = lite.setup_dataloader(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4))
         metric = metrics().to(run.device)
-        seen = 0
+        seen = steps = 0
         with lite.join(model):
             for xb, yb in loader:
                 loss = torch.nn.functional.cross_entropy(model(xb), yb)   # a real training step
@@ -57,10 +57,11 @@ for n in (2, 3):
                 metric["mse"].update(logits[:, 0], yb.double())
                 metric["count"].update(torch.ones(len(yb), dtype=torch.float64))
                 seen += len(yb)
+                steps += 1
         got = values(metric)             # after the join block: every rank calls compute()
-        shards = lite.all_gather(torch.tensor([seen]))
+        shards = lite.all_gather(torch.tensor([seen, steps]))
         if run.is_global_zero:
-            out[n] = {"metrics": got, "shards": shards.flatten().tolist()}
+            out[n] = {"metrics": got, "shards": shards[:, 0].tolist(), "steps": shards[:, 1].tolist()}
 logits = teacher(x)
 truth["acc"].update(logits, y)
 truth["auroc"].update(logits.softmax(-1), y)
@@ -79,10 +80,12 @@ def test_update_in_join_and_compute_after_it_is_the_whole_dataset_metric(tmp_pat
     assert result.returncode == 0, result.explain()
     out = result.json()
     truth = out.pop("truth")
-    assert truth["count"] == 101
-    assert out["2"]["shards"] == [51, 50] and out["3"]["shards"] == [34, 34, 33]
+    assert truth["count"] == 97
+    assert out["2"]["shards"] == [49, 48] and out["3"]["shards"] == [33, 32, 32]
+    # uneven: rank 0 runs one more step than the others, which leave the loop early
+    assert out["2"]["steps"] == [13, 12] and out["3"]["steps"] == [9, 8, 8]
     for n in ("2", "3"):
         got = out[n]["metrics"]
-        assert got["count"] == 101  # every sample once: nothing padded, nothing dropped
+        assert got["count"] == 97  # every sample once: nothing padded, nothing dropped
         assert got["acc"] == truth["acc"] and got["auroc"] == truth["auroc"]  # counts and sorted sets: exact
         assert got["mse"] == pytest.approx(truth["mse"], rel=1e-12)  # a float64 sum in another order

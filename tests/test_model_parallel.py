@@ -22,6 +22,7 @@ from scopedlite._strategies.model_parallel.strategy import mesh_shape
 from scopedlite._strategies.registry import names_supporting
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from _common import assert_close, max_diff  # noqa: E402
 from _model_parallel_common import (  # noqa: E402
     BATCH,
     CLIP_NORM,
@@ -43,11 +44,6 @@ from _model_parallel_common import (  # noqa: E402
 
 def _flat(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
-
-
-def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    assert [len(x) for x in a] == [len(y) for y in b]
-    return max(abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
 def _last_global_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -180,7 +176,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     # by norm) and no_grad evaluation match the one-process reference over the same two shards
     model, rows, norms, eval_mean = _reference()
     assert sorted(rows) == list(range(N_TRAIN))
-    assert _max_diff(out["trained"], _flat(model)) < 1e-5
+    assert_close(out["trained"], _flat(model), 1e-5, "trained parameters")
     for mine in ranks:
         assert mine["norms"]["2"] == pytest.approx(norms["2"], rel=1e-5)
         assert mine["norms"]["inf"] == pytest.approx(norms["inf"], rel=1e-5)
@@ -211,7 +207,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
             assert mine[f"{kind}_params"] == out["at_save"]
             assert mine[f"{kind}_step"] == 4
             assert mine[f"{kind}_outputs"] == pytest.approx(out["outputs_at_save"], abs=1e-6)
-            assert _max_diff(mine[f"{kind}_after_step"], out["after_step"]) < 1e-6
+            assert_close(mine[f"{kind}_after_step"], out["after_step"], 1e-6, f"{kind}: the next step on another mesh")
             assert sorted(mine[f"{kind}_rest_of_pass"] + taken) == list(range(N_TRAIN))
 
     # a checkpoint of strategy single resumed on the 2 x 2 mesh: its values, step and
@@ -220,7 +216,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     _last_global_step(single, single_opt)
     for mine in ranks:
         assert mine["from_single"]["params"] == expected and mine["from_single"]["step"] == 3
-        assert _max_diff(mine["from_single"]["after_step"], _flat(single)) < 1e-6
+        assert_close(mine["from_single"]["after_step"], _flat(single), 1e-6, "the step after a single checkpoint")
 
     # ... and in one process, without processes: the full file as it is, the folder consolidated
     single = tmp_path / "consolidated.pt"
@@ -235,29 +231,36 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
         with torch.no_grad():
             assert model(probe()).flatten().tolist() == pytest.approx(out["outputs_at_save"], abs=1e-6)
         _last_global_step(model, opt)
-        assert _max_diff(_flat(model), out["after_step"]) < 1e-6
+        assert_close(_flat(model), out["after_step"], 1e-6, f"{path.name}: the next step in one process")
 
     # lite.join over uneven data-parallel shards (5 and 3 batches): every rank ends with the
     # parameters of one process that trains on the same two shards, under both divisors;
     # the lite collective in the loop covers the running replicas, the one after it all
     reference = _joined_reference()
     for r, mine in enumerate(ranks):
-        for block, expected, divide in zip(mine["join"][:2], reference["blocks"][:2], (True, False)):
-            assert block["rows"] == JOIN_SHARES[r // 2], (r, divide)  # 20 or 12 rows, each once
+        steps = len(JOIN_SHARES[r // 2]) // BATCH  # replica 0: 5 steps, replica 1: 3 (it leaves early)
+        for block, expected, divide in zip(mine["join"][:2], reference["blocks"][:2], (True, False), strict=True):
+            where = f"rank {r}, divide_by_initial_world_size={divide}"
+            assert block["rows"] == JOIN_SHARES[r // 2], where  # 20 or 12 rows, each once
             assert block["seen"] == N_TRAIN  # each replica counted its rows once
-            assert block["losses"] == pytest.approx(expected["losses"][: len(block["losses"])], rel=1e-5)
-            assert block["norms"] == pytest.approx(expected["norms"][: len(block["norms"])], rel=1e-5)
-            assert _max_diff(block["params"], expected["params"]) < 1e-5, (r, divide)
+            # a rank logs the losses of its own steps: the reference's first `steps`
+            assert_close(block["losses"], expected["losses"][:steps], 1e-5, f"{where}: losses", relative=True)
+            if divide:  # clipped by norm
+                assert_close(block["norms"], expected["norms"][:steps], 1e-5, f"{where}: norms", relative=True)
+            else:
+                assert block["norms"] == [] and expected["norms"] == [], where
+            assert_close(block["params"], expected["params"], 1e-5, f"{where}: parameters")
+    for block in reference["blocks"][:2]:
+        assert len(block["losses"]) == 5  # the reference runs every step of the longer replica
     for r, mine in enumerate(ranks):  # a replica with no data, replica 0 in an accumulation window
         block, expected = mine["join"][2], reference["blocks"][2]
         assert block["rows"] == JOIN_EMPTY_SHARES[r // 2] and block["seen"] == len(JOIN_EMPTY_SHARES[0])
-        assert _max_diff(block["params"], expected["params"]) < 1e-5, r
-        assert _max_diff(block["params"], mine["join"][1]["params"]) > 1e-3  # it did train
-    assert len(ranks[0]["join"][0]["losses"]) == 5 and len(ranks[2]["join"][0]["losses"]) == 3
+        assert_close(block["params"], expected["params"], 1e-5, f"rank {r}: the block with an empty replica")
+        assert max_diff(block["params"], mine["join"][1]["params"]) > 1e-3  # it did train
     assert min(reference["blocks"][0]["norms"]) > JOIN_CLIP  # clipping by norm really happened
     # ... and the test can fail: the other divisor in the second block is far off
     wrong = _joined_reference(("initial", "initial"))
-    assert _max_diff(ranks[0]["join"][1]["params"], wrong["blocks"][1]["params"]) > 1e-3
+    assert max_diff(ranks[0]["join"][1]["params"], wrong["blocks"][1]["params"]) > 1e-3
 
     # no_grad evaluation inside join sees every sample once (5 rows and 4 rows: 2 and 1 batches)
     for r, mine in enumerate(ranks):
@@ -284,7 +287,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
         opt.zero_grad()
     for mine in ranks:
         assert mine["compiled"]["graphs"] >= 1 and mine["compiled"]["keys"] == list(net.state_dict())
-        assert _max_diff(mine["compiled"]["params"], _flat(net)) < 1e-6
+        assert_close(mine["compiled"]["params"], _flat(net), 1e-6, "the compiled model's parameters")
 
     # refusals: a replica whose ranks are not in step (on every rank, at once: nobody hangs),
     # a plan that leaves the replicas apart

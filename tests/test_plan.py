@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scopedlite as lite
+from scopedlite._core.precision import PRECISIONS
 from scopedlite._hardware.machine import Machine
 from scopedlite._plan import ACCELERATORS, LAUNCHERS, resolve
+from scopedlite._strategies.registry import STRATEGIES
 
 CPU = Machine(cpu_count=4)
 GPU4 = Machine(cuda_device_count=4, cpu_count=16)
@@ -132,6 +134,31 @@ def test_plan_is_frozen():
         p.world_size = 3  # type: ignore[misc]
 
 
+# the arguments whose valid values are a closed set, which a refusal of another value lists
+CHOICES = {"accelerator": ACCELERATORS, "launcher": LAUNCHERS, "precision": tuple(PRECISIONS), "strategy": ("auto", *STRATEGIES)}
+
+
+def _assert_names_the_argument_value_and_choices(message: str, args: dict) -> None:
+    """A clear error names the argument and the value it got (``precision='16'``), and, for a
+    value outside a closed set, every valid choice."""
+    named = [name for name, value in args.items() if f"{name}={value!r}" in message]
+    assert named, f"the error names no argument with the value it got: {message}"
+    for name in named:
+        if name in CHOICES and args[name] not in CHOICES[name]:
+            missing = [choice for choice in CHOICES[name] if repr(choice) not in message]
+            assert not missing, f"{name}={args[name]!r} refused without the valid choices {missing}: {message}"
+
+
+def test_the_clear_error_check_can_fail():
+    args = {"precision": "16", "devices": 2}
+    _assert_names_the_argument_value_and_choices(
+        f"precision='16' is not supported. Valid choices: {', '.join(map(repr, PRECISIONS))}", args
+    )
+    for unclear in ("precision must be one of the supported ones", "precision='16' is not supported", "devices = 2"):
+        with pytest.raises(AssertionError):
+            _assert_names_the_argument_value_and_choices(unclear, args)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     accelerator=st.one_of(st.sampled_from(ACCELERATORS), st.text(max_size=5)),
@@ -150,7 +177,8 @@ def test_resolve_either_plans_consistently_or_raises_a_clear_error(accelerator, 
             timeout=timeout, strategy=strategy, env={}, machine=machine,
         )
     except (ValueError, TypeError) as e:
-        assert "=" in str(e) or "must" in str(e), f"unclear error: {e}"
+        args = {"accelerator": accelerator, "devices": devices, "precision": precision, "launcher": launcher, "timeout": timeout, "strategy": strategy}
+        _assert_names_the_argument_value_and_choices(str(e), args)
         return
     assert p.world_size == len(p.devices) * p.num_nodes
     assert len(set(p.devices)) == len(p.devices)

@@ -122,12 +122,21 @@ def test_true_precisions_convert_module_and_inputs(precision, dtype):
 
 
 def test_sharded_init_empty_skips_initialisation():
+    """Initialising a Linear draws from torch's generator; ``empty=True`` draws nothing (and
+    leaves real, uninitialised memory), where the default build draws as a plain one does."""
     with lite.launch(accelerator="cpu"):
         torch.manual_seed(0)
+        untouched = torch.get_rng_state()
         with lite.sharded_init(empty=True):
             layer = torch.nn.Linear(64, 64)
+        assert torch.equal(torch.get_rng_state(), untouched)  # no initialiser ran
+        assert layer.weight.device.type == "cpu" and layer.weight.shape == (64, 64)
+        with lite.sharded_init():
+            initialised = torch.nn.Linear(64, 64)
+        assert not torch.equal(torch.get_rng_state(), untouched)  # ... which the check would see
         torch.manual_seed(0)
         normal = torch.nn.Linear(64, 64)
+    assert torch.equal(initialised.weight, normal.weight)
     assert not torch.equal(layer.weight, normal.weight)
 
 
@@ -254,7 +263,8 @@ def test_setup_dataloader_moves_batches_and_keeps_the_loader_on_one_process():
         lite.setup_dataloader()
 
 
-def test_print_only_on_rank_zero(capsys):
+def test_print_prints_its_arguments_on_one_process(capsys):
+    """(Rank 0 only among several: test_launch.py's "printed once", test_output.py.)"""
     lite.print("hello", 1)
     assert capsys.readouterr().out == "hello 1\n"
 

@@ -9,15 +9,16 @@ with one-process references computed with plain torch:
   reference on every rank, and DDP's comm hook counts no all-reduce inside
   ``no_backward_sync`` and one per step (the bug: rank 0 all-reduced inside it, then hung). The
   same with the loss computed by a method, and with forward's and a method's loss summed.
-- nanoGPT's loop (``estimate_mfu`` on rank 0 alone), under ddp, fsdp and deepspeed stage 2,
-  plainly and inside ``lite.join``: the parameters and rank 0's logged losses equal the
-  reference.
+- nanoGPT's loop (``estimate_mfu`` on rank 0 alone, clipping by norm at 0.3, active at
+  every step), under ddp, fsdp and deepspeed stage 2, plainly and inside ``lite.join``: the
+  parameters and rank 0's logged losses equal the reference.
 - fsdp and ZeRO-3: ``generate`` (it gathers) works on every rank, is refused on rank 0 alone
   (naming it and the ranks) and inside ``lite.join``, and the run goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import nanogpt  # noqa: E402
-from _common import NetWithMethods, micro_batch  # noqa: E402
+from _common import NetWithMethods, assert_close, max_diff, micro_batch  # noqa: E402
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
@@ -44,10 +45,8 @@ def _run(script, strategy: str) -> dict:
     return result.json()
 
 
-def _max_diff(params: dict[str, list[float]], reference: torch.nn.Module) -> float:
-    expected = {k: v.detach().flatten().tolist() for k, v in reference.state_dict().items()}
-    assert sorted(params) == sorted(expected)
-    return max(abs(a - b) for k in params for a, b in zip(params[k], expected[k], strict=True))
+def _state(reference: torch.nn.Module) -> dict[str, list[float]]:
+    return {k: v.detach().flatten().tolist() for k, v in reference.state_dict().items()}
 
 
 # -- the minimal form under DDP --------------------------------------------------------------
@@ -75,7 +74,7 @@ def test_ddp_methods_on_some_ranks_change_no_collective(script):
     assert sorted(result["ddp"]) == ["all", "method_loss", "mixed", "rank0"]
     for phase, seen in result["ddp"].items():
         assert seen["same"], f"{phase}: parameters differ between the ranks"
-        assert _max_diff(seen["params"], reference) < 1e-6, phase
+        assert_close(seen["params"], _state(reference), 1e-6, phase)
         # per micro-step: none inside no_backward_sync, one (a single bucket) after it
         assert seen["all_reduces"] == [0, 1] * STEPS, phase
     assert result["ddp"]["rank0"]["counted"] == [n_params] * STEPS  # rank 0's own calls
@@ -84,8 +83,9 @@ def test_ddp_methods_on_some_ranks_change_no_collective(script):
     assert joined["message"].startswith(
         "Inside lite.join the result of the model's own method NetWithMethods.loss() was back-propagated"
     ), joined["message"]
-    assert joined["same"] and _max_diff(joined["params"], _one_step_reference()) < 1e-6
-    _check_nanogpt(result, clip=1.0, tolerance=1e-5)
+    assert joined["same"]
+    assert_close(joined["params"], _state(_one_step_reference()), 1e-6, "the joined step")
+    _check_nanogpt(result, tolerance=1e-5)
 
 
 def _one_step_reference() -> torch.nn.Module:
@@ -126,21 +126,32 @@ def _nanogpt_reference(args) -> tuple[torch.nn.Module, list[float]]:
     return model, logged
 
 
-def _check_nanogpt(result: dict, clip: float, tolerance: float) -> None:
+@functools.cache
+def _nanogpt_run(clip: float) -> tuple[dict[str, list[float]], list[float]]:
+    """The reference's parameters and logged losses, clipping at ``clip`` (0: none); computed
+    once per session (seconds each), shared by the three strategies' tests."""
     args = nanogpt.arguments(["--max-iters", "7", "--gradient-accumulation-steps", "2", "--grad-clip", str(clip)])
-    reference, logged = _nanogpt_reference(args)
+    model, logged = _nanogpt_reference(args)
+    return _state(model), logged
+
+
+def _check_nanogpt(result: dict, tolerance: float) -> None:
+    """The script's nanoGPT runs (clipping at 0.3: every step's norm is above it) against the reference."""
+    reference, logged = _nanogpt_run(0.3)
     assert sorted(result["nanogpt"]) == ["join", "plain"]
     for where, seen in result["nanogpt"].items():
         assert seen["same"], f"{where}: parameters differ between the ranks"
-        assert _max_diff(seen["params"], reference) < tolerance, where
-        assert seen["losses"] == pytest.approx(logged, abs=1e-5), where
+        assert_close(seen["params"], reference, tolerance, where)
+        assert_close(seen["losses"], logged, 1e-5, f"{where}: rank 0's logged losses")
     assert logged[-1] < logged[0] * 0.8, logged  # and it learns
+    # clipping was active: without it the parameters end elsewhere (1.5e-2 away)
+    assert max_diff(_nanogpt_run(0.0)[0], reference) > 100 * tolerance
 
 
 @pytest.mark.timeout(RUN_S + 30)
 def test_fsdp_methods_gather_only_when_needed_and_only_on_every_rank(script):
     result = _run(script, "fsdp")
-    _check_nanogpt(result, clip=1.0, tolerance=2e-5)
+    _check_nanogpt(result, tolerance=2e-5)
     _check_gathering(result["gathering"], "fsdp")
 
 
@@ -149,7 +160,7 @@ def test_fsdp_methods_gather_only_when_needed_and_only_on_every_rank(script):
 @pytest.mark.timeout(RUN_S + 30)
 def test_deepspeed_stage_2_methods_on_rank_zero(script):
     result = _run(script, "deepspeed_stage_2")
-    _check_nanogpt(result, clip=0.0, tolerance=2e-5)
+    _check_nanogpt(result, tolerance=2e-5)
 
 
 @needs_deepspeed

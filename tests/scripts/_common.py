@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,27 +29,51 @@ def params(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def max_diff(got: Any, expected: Any, what: str = "value") -> float:
-    """The largest absolute difference between two nested structures of numbers (lists,
-    tuples, dicts), after checking that they have the same shape: the same lengths and the
-    same keys at every level. A shortened or empty list, or a missing key, fails here instead
-    of being skipped by ``zip``."""
+def max_diff(got: Any, expected: Any, what: str = "value", relative: bool = False) -> float:
+    """The largest absolute (or, with ``relative``, relative) difference between two nested
+    structures of numbers (lists, tuples, dicts), after checking that they have the same shape:
+    the same lengths and the same keys at every level.
+
+    Fails, instead of returning a number that passes, where a comparison would see nothing or
+    a value no tolerance can judge: a shortened list or a missing key (``zip`` would skip it),
+    an empty list anywhere in the reference (``[[], []]`` compares no number), and a NaN or an
+    infinity on either side (``max()`` drops a NaN unless it comes first, and ``inf - inf`` is
+    NaN). The worst difference is kept by hand for the same reason."""
+    worst = 0.0
+    for where, g, e in _leaves(got, expected, what):
+        assert math.isfinite(g), f"{where}: got {g!r}, a non-finite value"
+        assert math.isfinite(e), f"{where}: the reference is {e!r}, a non-finite value"
+        if relative:
+            assert e != 0, f"{where}: a relative difference to a reference of 0"
+        diff = abs(g - e) / abs(e) if relative else abs(g - e)
+        worst = diff if diff > worst else worst
+    return worst
+
+
+def _leaves(got: Any, expected: Any, what: str) -> Iterator[tuple[str, float, float]]:
+    """Each pair of numbers at the same place in ``got`` and ``expected``, checking the shape."""
     if isinstance(expected, dict):
         assert isinstance(got, dict), f"{what}: got {type(got).__name__}, expected a dict"
         assert sorted(got) == sorted(expected), f"{what}: keys {sorted(got)} != {sorted(expected)}"
-        return max((max_diff(got[k], expected[k], f"{what}[{k!r}]") for k in expected), default=0.0)
+        assert expected, f"{what}: the reference is empty: nothing would be compared"
+        for k in expected:
+            yield from _leaves(got[k], expected[k], f"{what}[{k!r}]")
+        return
     if isinstance(expected, (list, tuple)):
         assert isinstance(got, (list, tuple)), f"{what}: got {type(got).__name__}, expected a list"
         assert len(got) == len(expected), f"{what}: {len(got)} items, expected {len(expected)}"
-        return max((max_diff(g, e, f"{what}[{i}]") for i, (g, e) in enumerate(zip(got, expected))), default=0.0)
+        assert expected, f"{what}: the reference is empty: nothing would be compared"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            yield from _leaves(g, e, f"{what}[{i}]")
+        return
     assert isinstance(got, (int, float)) and not isinstance(got, bool), f"{what}: got {got!r}, expected a number"
-    return abs(got - expected)
+    assert isinstance(expected, (int, float)) and not isinstance(expected, bool), f"{what}: the reference is {expected!r}, not a number"
+    yield what, got, expected
 
 
-def assert_close(got: Any, expected: Any, tol: float = 1e-5, what: str = "value") -> None:
+def assert_close(got: Any, expected: Any, tol: float = 1e-5, what: str = "value", relative: bool = False) -> None:
     """``max_diff(got, expected) <= tol``, saying by how much and where it differs."""
-    assert expected not in ([], {}, ()), f"{what}: the reference is empty: nothing would be compared"
-    worst = max_diff(got, expected, what)
+    worst = max_diff(got, expected, what, relative)
     assert worst <= tol, f"{what}: differs from the reference by {worst:.3g} (allowed {tol:.1g})"
 
 

@@ -86,7 +86,8 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.5)
 
 
-def eval_data(n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+def eval_data(n: int = 19) -> tuple[torch.Tensor, torch.Tensor]:
+    """19 samples: in batches of 3, 2 ranks read 4 and 3 batches, 3 ranks 3, 2 and 2 (uneven)."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, 4, generator=g)
     return x, x.sum(dim=1, keepdim=True)
@@ -296,7 +297,17 @@ def reference_train(case: dict[str, Any], world: int, ddp: bool) -> list[dict[st
         opt.zero_grad()
     last = max(r for r in range(world) if mapping[r] == max(mapping.values()))
     lr = opt.param_groups[0]["lr"]
-    return [{"params": _state(model)["params"], "buffers": _state(replicas[last if ddp else r])["buffers"], "lr": lr} for r in range(world)]
+    moments = _moments(opt)
+    return [
+        {"params": _state(model)["params"], "buffers": _state(replicas[last if ddp else r])["buffers"], "lr": lr, "moments": moments}
+        for r in range(world)
+    ]
+
+
+def _moments(opt: torch.optim.Optimizer) -> list[list[float]]:
+    """The optimizer's state tensors (momentum, AdamW's moments; not the step counts), as
+    join_torch_suite.py reports a ddp rank's."""
+    return [t.flatten().tolist() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
 
 
 def _state(model: nn.Module) -> dict[str, Any]:

@@ -4,6 +4,7 @@ and the error for a layer the loss does not use.
 Rank 0 writes the results; the test compares them with one process.
 """
 
+import os
 import sys
 import time
 
@@ -43,13 +44,14 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-m
     restored = params(lite.current().strategy.unwrap(model)) == after_step
 
     order = lite.all_gather(torch.tensor(0.0))  # placeholder so both ranks reach here
-    stamps = {}
+    marker = ckpt + ".prepared"  # what rank 0 prepares first (a download): the others must find it
     with lite.rank_zero_first() as first:
-        stamps["enter"] = time.time()
+        found = os.path.exists(marker)
         if first:
-            time.sleep(0.5)
-        stamps["leave"] = time.time()
-    everyone = [lite.broadcast(stamps, src=r) for r in range(run.world_size)]
+            time.sleep(0.5)  # a rank let in early would look before the file is there
+            with open(marker, "w") as f:
+                f.write("prepared")
+    everyone = [lite.broadcast({"first": first, "found": found}, src=r) for r in range(run.world_size)]
 
     # a layer the loss never uses, under plain "ddp": the next forward names it, and our line
     class WithUnused(torch.nn.Module):
@@ -79,7 +81,7 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", precision="bf16-m
         "dtype": dtype,
         "restored": restored,
         "rest": rest,
-        "stamps": everyone,
+        "rank_zero_first": everyone,
         "restored_all": lite.all_reduce(int(restored), op="min"),
         "unused_errors": errors,
     }

@@ -105,7 +105,8 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
         "after_one_again": after_one_again,
         "step": state["step"],
         "leftovers": leftovers,
-        "evaluator": [type(evaluator).__name__, len(evaluated)],
+        "evaluator": type(evaluator).__name__,
+        "evaluated": lite.all_gather(torch.tensor(evaluated)).tolist(),  # every rank's outputs
         "rest": rest,
         "refusals": refusals,
         "sum_local": lite.all_reduce(sum(s["local"] for s in shards)),

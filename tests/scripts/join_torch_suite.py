@@ -19,7 +19,7 @@ the block, and what the scenario checks along the way.
 import sys
 
 import torch
-from _torch_models import STEP, build, eval_data, example_input, make_optimizer, scenarios, step_input
+from _torch_models import STEP, _moments, build, eval_data, example_input, make_optimizer, scenarios, step_input
 
 import scopedlite as lite
 from _common import from_every_rank, write
@@ -180,7 +180,7 @@ def run_train(case, rank, world):
         total = lite.all_reduce(seen)
     moments = []  # ddp: every rank's optimizer state, which the final broadcast does not touch
     if name == "ddp":
-        moments = [t.flatten().tolist() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        moments = _moments(opt)
     return {"total": total, "steps": steps, "lr": opt.param_groups[0]["lr"], "moments": moments, **state(model)}
 
 
@@ -192,12 +192,14 @@ def run_eval(case, rank, world):
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=3))
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
+    batches = 0
     with torch.no_grad(), lite.join(model):
         for xb, yb in loader:
             err = torch.nn.functional.mse_loss(model(xb), yb, reduction="sum")
             total += torch.tensor([err.item(), len(xb)], dtype=torch.float64)
+            batches += 1
         metric = lite.all_reduce(total)  # after the loop, inside the block
-    return {"metric": metric.tolist()}
+    return {"metric": metric.tolist(), "batches": batches}
 
 
 RUNNERS = {"uneven": run_uneven, "grad_div": run_grad_div, "equivalence": run_equivalence, "even": run_even, "train": run_train, "eval": run_eval}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 import scopedlite as lite
+from scopedlite._hardware.machine import Machine
 
 STEPS = 8
 
@@ -214,7 +216,8 @@ def mode_save_load(path: str) -> dict:
         opt_state_device = next(iter(fresh_opt.state.values()))["exp_avg"].device.type
     on_disk = torch.load(path, map_location=None, weights_only=True)
     return {
-        "max_diff": max((saved[k] - restored[k]).abs().max().item() for k in saved),
+        "saved": {k: v.tolist() for k, v in saved.items()},
+        "restored": {k: v.tolist() for k, v in restored.items()},
         "step": state["step"],
         "disk_devices": sorted({v.device.type for v in on_disk["model"].values()}),
         "disk_opt_devices": sorted(
@@ -226,15 +229,21 @@ def mode_save_load(path: str) -> dict:
 
 
 def mode_backward_before_import() -> dict:
-    """A CPU backward before torch_xla is imported leaves autograd without an XLA queue."""
+    """A CPU backward before torch_xla is imported leaves autograd without an XLA queue. First,
+    in this process where nothing imported torch_xla yet: what probing the machine (as launch
+    does) counts under each PJRT_DEVICE, and whether it imported torch_xla."""
+    probed = {}
+    for pjrt in ("TPU", "CPU"):  # CPU last: the launch below runs on XLA:CPU
+        os.environ["PJRT_DEVICE"] = pjrt
+        probed[pjrt] = [Machine.probe().xla_device_count, "torch_xla" in sys.modules]
     torch.nn.Linear(2, 1)(torch.randn(3, 2)).sum().backward()
     with lite.launch(accelerator="tpu") as run:
         model = lite.setup(torch.nn.Linear(2, 1))
         try:
             lite.backward(model(torch.randn(3, 2, device=run.device)).sum())
         except RuntimeError as e:
-            return {"error": str(e)}
-    return {"error": None}
+            return {"error": str(e), "probed": probed}
+    return {"error": None, "probed": probed}
 
 
 def main() -> None:
