@@ -40,6 +40,7 @@ MODULES: dict[str, str] = {
     "collective_checks": "per-call cost of the shape check in lite.all_reduce / all_gather",
     "checkpoint_paths": "the same-path check of lite.save / lite.load: per call",
     "watchdog_overhead": "hang watchdog: per-step cost, and the cost of one look",
+    "save_stall": "lite.save(blocking=False): the training loop's stall per save vs a blocking save",
 }
 # Results written before rows carried their module: the module a row came from, by key prefix.
 _KEY_PREFIXES = {"ddp_": "ddp_vs_torchrun", "import_": "import_time", "crash_": "crash_latency", "join_": "join_overhead"}
