@@ -167,8 +167,9 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     assert norms["2"] > CLIP_NORM  # clipping by norm really happened
     assert out["eval_mean"] == pytest.approx(eval_mean, rel=1e-5)
 
-    # checkpoint round trips on the same mesh are exact: values, outputs, the next step (AdamW state)
-    for kind in ("sharded", "full.pt"):
+    # checkpoint round trips on the same mesh are exact: values, outputs, the next step (AdamW
+    # state); also for the folder saved with blocking=False just before that step was taken
+    for kind in ("sharded", "full.pt", "background"):
         for mine in ranks:
             assert mine[f"{kind}_exact"] and mine[f"{kind}_next_step_exact"] and mine[f"{kind}_step"] == 4
     assert out["after_step"] != out["at_save"]
