@@ -18,6 +18,11 @@ The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain tor
 (issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
 a model's and an AdamW's state dicts and an epoch, each compared with the plain-torch model;
 and every 2-rank launch tries ``lite.save`` / ``lite.load`` with a path that differs by rank.
+
+The ddp, fsdp and deepspeed_stage_3 launches also save with ``blocking=False`` (issue 39): the
+checkpoint holds the state at the call though training went on, failed background writes raise
+on every rank and keep the previous checkpoint, the end of the block waits for a save left in
+flight, and deepspeed refuses.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2"]
 PLAIN = ["plain:P", "plain:PD", "plain:PN"]
 LAUNCHES = [  # in order: each loads what the launches before it saved
     [["single", 1, ["save:S", "load:S", *PLAIN]]],
-    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp", "async:DA", "load:DA"]]],
-    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp", "async:FA", "load:FA"]]],
+    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp", "async:DA", "load:DA", "inflight:DI"]]],
+    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp", "async:FA", "load:FA", "inflight:FI"]]],
     [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3", "async:ZA"]]],
     [["ddp", 2, ["load:F", "load:Z"]]],
     [["fsdp", 2, ["load:Z", "bigload:ZB", "bigload:FB"]]],
@@ -288,3 +293,19 @@ def test_deepspeed_refuses_a_background_save_naming_the_fix(moves):
     message = results[("deepspeed_stage_3", 2)]["async:ZA"]["refused"]
     assert "blocking=False) is not available under strategy='deepspeed'" in message, message
     assert "`lite.save(path, state)`" in message and "'fsdp'" in message, message
+
+
+@pytest.mark.parametrize("name,strategy", [("DI", "ddp"), ("FI", "fsdp")])
+def test_the_end_of_the_launch_block_waits_for_a_background_save(moves, name, strategy):
+    """The last job of a 2-rank launch saved with ``blocking=False`` and nothing waited: the
+    block's end did, on every rank (under fsdp rank 1 writes its shards), so the checkpoint is
+    complete: it loads here, in one process, into plain torch's model after epoch 0."""
+    _, folder = moves
+    _, params = reference([(2, 0)])
+    model = make_net(1)
+    state = {"model": model, "opt": make_optimizer(model), "step": 0}
+    assert lite.load(folder / name, state) == {}
+    assert state["step"] == 3
+    for key, value in params.items():
+        assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=1e-6), (strategy, key)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(f".{name}")]  # no temporary left

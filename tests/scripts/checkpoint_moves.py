@@ -16,7 +16,9 @@ another in this process (several only on one process). Jobs, each with fresh obj
 - ``async:NAME``: as ``save``, with ``blocking=False``, then epoch 1 trained, the learning rate
   and the note changed before anything waits (a later ``load:NAME`` checks what was written);
   then two saves to the same path whose background write fails (an entry torch cannot
-  pickle): one waited for, one found by the next save. Under deepspeed: the refusal.
+  pickle): one waited for, one found by the next save. Under deepspeed: the refusal;
+- ``inflight:NAME``: as ``save``, with ``blocking=False``, and nothing waits: the end of the
+  launch block must (the last job of its launch).
 
 Rank 0 writes, per launch and job: the global mean loss of each step, the step count and note
 loaded, what load returned, the final parameters; for ``bigload`` every rank's memory.
@@ -211,8 +213,16 @@ def save_in_background(name, strategy):
     return returned
 
 
+def left_in_flight(name, strategy):
+    model, opt, loader = setup(seed=0)
+    losses = train_epoch(model, opt, loader)
+    lite.save(os.path.join(folder, name), {"model": model, "opt": opt, "step": len(losses)}, blocking=False)
+    return {"losses": losses}
+
+
 JOBS = {
     "async": save_in_background,
+    "inflight": left_in_flight,
     "save": save,
     "load": load,
     "bigsave": big_save,
@@ -227,6 +237,6 @@ for strategy, devices, jobs in launches:
         done = {}
         for job in jobs:
             kind, name = job.split(":")
-            done[job] = JOBS[kind](name, strategy) if kind in ("save", "async") else JOBS[kind](name)
+            done[job] = JOBS[kind](name, strategy) if kind in ("save", "async", "inflight") else JOBS[kind](name)
         results.append({"strategy": strategy, "world_size": run.world_size, "jobs": done})
 write(results)  # only the main process (rank 0) gets here: the others leave at the end of the block
