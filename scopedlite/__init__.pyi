@@ -45,6 +45,7 @@ from ._core.run import Run as Run
 from ._core.scope import ScopeError as ScopeError
 from ._core.scope import carry as carry
 from ._hardware.machine import Machine as Machine
+from ._io.background import SaveHandle as SaveHandle
 from ._io.consolidate import consolidate_checkpoint as consolidate_checkpoint
 from ._io.files import CheckpointError as CheckpointError
 from ._launch.scope import launch as launch

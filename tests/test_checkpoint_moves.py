@@ -20,6 +20,11 @@ The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain tor
 (issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
 a model's and an AdamW's state dicts and an epoch, each compared with the plain-torch model;
 and every 2-rank launch tries ``lite.save`` / ``lite.load`` with a path that differs by rank.
+
+The ddp, fsdp and deepspeed_stage_3 launches also save with ``blocking=False`` (issue 39): the
+checkpoint holds the state at the call though training went on, failed background writes raise
+on every rank and keep the previous checkpoint, the end of the block waits for a save left in
+flight, and deepspeed refuses.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ SAVED = {
     "Z2": ("deepspeed_stage_2", 1),
     "H": ("hsdp", 4),  # HSDP: FSDPStrategy(replicate_degree=2), 2 replicas of 2 shards
 }
+# saved with lite.save(..., blocking=False), then trained on before anything waited (issue 39)
+SAVED_IN_BACKGROUND = {"DA": ("ddp", 2), "FA": ("fsdp", 2)}
 MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
 ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 # files plain torch wrote (the fixture writes them): a bare state dict, the same from a
@@ -63,9 +70,9 @@ ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 PLAIN = ["plain:P", "plain:PD", "plain:PN"]
 LAUNCHES = [  # in order: each loads what the launches before it saved
     [["single", 1, ["save:S", "load:S", *PLAIN]]],
-    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp"]]],
-    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp"]]],
-    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3"]]],
+    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp", "async:DA", "load:DA", "inflight:DI"]]],
+    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp", "async:FA", "load:FA", "inflight:FI"]]],
+    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3", "async:ZA"]]],
     [["hsdp", 4, ["save:H", *ALL[:4], "load:H"]]],
     [["ddp", 2, ["load:F", "load:Z", "load:H"]]],
     [["fsdp", 2, ["load:Z", "load:H", "bigload:ZB", "bigload:FB"]]],
@@ -167,7 +174,7 @@ def _close(got: list[float], expected: list[float]) -> float:
 
 
 def _check_continued(result: dict, name: str, world_size: int) -> None:
-    saver, saved_on = SAVED[name]
+    saver, saved_on = {**SAVED, **SAVED_IN_BACKGROUND}[name]
     (first, second), params = reference([(saved_on, 0), (world_size, 1)])
     assert result["step"] == len(first)  # the other entries came back
     assert result["note"] == {"from": saver, "tensor": [0.0, 1.0, 2.0]}
@@ -315,3 +322,54 @@ def test_a_path_that_differs_between_ranks_is_refused_on_every_rank(moves, loade
     assert result["written"] == []  # refused before anything was written, on any rank
     assert result["fixed"] == [f"{name}-rank0"]
     assert result["rest"] == {}
+
+
+@pytest.mark.parametrize("name", list(SAVED_IN_BACKGROUND))
+def test_a_background_save_holds_the_state_at_the_call_and_keeps_it_through_failed_writes(moves, name):
+    """``lite.save(path, state, blocking=False)`` after epoch 0, then epoch 1 trained, the
+    learning rate and the note changed, before anything waited: what a fresh model loads is
+    plain torch's state after epoch 0 (parameters, AdamW's moments and step counts, the
+    loader's position, the note), so its epoch 1 gives the uninterrupted run's losses. A
+    ``lite.load`` waited for it. Then two background saves to the same path whose write
+    failed on rank 0: ``handle.wait()`` raised on both ranks, naming rank 0 and its error,
+    and so did the save after the second; the path still held the first checkpoint (the
+    load above ran after them), and nothing else was left in the folder."""
+    results, _ = moves
+    strategy, world_size = SAVED_IN_BACKGROUND[name]
+    saved = results[(strategy, world_size)][f"async:{name}"]
+    (first,), _ = reference([(world_size, 0)])
+    assert _close(saved["losses"], first) < 1e-6
+    assert saved["waited"] == [f"<lite.SaveHandle {str(moves[1] / name)!r} written>", True, len(first)]
+    assert len(saved["errors"]) == world_size
+    for rank, errors in enumerate(saved["errors"]):
+        assert sorted(errors) == ["next_save", "wait"], (rank, errors)
+        for message, cause in errors.values():
+            assert message.startswith(f"lite.save({str(moves[1] / name)!r}, blocking=False) failed in the background on rank 0 "), message
+            assert "Can't pickle" in message and "it still holds the previous checkpoint" in message, message
+            # on rank 0 its own error (torch.save's) is the cause
+            assert (cause in ("PicklingError", "AttributeError")) if rank == 0 else cause == "NoneType", (rank, cause)
+    assert saved["left"] == []
+    _check_continued(results[(strategy, world_size)][f"load:{name}"], name, world_size)
+
+
+def test_deepspeed_refuses_a_background_save_naming_the_fix(moves):
+    results, _ = moves
+    message = results[("deepspeed_stage_3", 2)]["async:ZA"]["refused"]
+    assert "blocking=False) is not available under strategy='deepspeed'" in message, message
+    assert "`lite.save(path, state)`" in message and "'fsdp'" in message, message
+
+
+@pytest.mark.parametrize("name,strategy", [("DI", "ddp"), ("FI", "fsdp")])
+def test_the_end_of_the_launch_block_waits_for_a_background_save(moves, name, strategy):
+    """The last job of a 2-rank launch saved with ``blocking=False`` and nothing waited: the
+    block's end did, on every rank (under fsdp rank 1 writes its shards), so the checkpoint is
+    complete: it loads here, in one process, into plain torch's model after epoch 0."""
+    _, folder = moves
+    _, params = reference([(2, 0)])
+    model = make_net(1)
+    state = {"model": model, "opt": make_optimizer(model), "step": 0}
+    assert lite.load(folder / name, state) == {}
+    assert state["step"] == 3
+    for key, value in params.items():
+        assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=1e-6), (strategy, key)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(f".{name}")]  # no temporary left

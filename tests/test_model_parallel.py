@@ -191,8 +191,9 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
         assert "ranks 0 and 1 of replica 0 passed different values" in mine["replica_error"], mine["replica_error"]
         assert "rank 1: [1.0, 1.0] (float32[2])" in mine["replica_error"]
 
-    # checkpoint round trips on the same mesh are exact: values, outputs, the next step (AdamW state)
-    for kind in ("sharded", "full.pt"):
+    # checkpoint round trips on the same mesh are exact: values, outputs, the next step (AdamW
+    # state); also for the folder saved with blocking=False just before that step was taken
+    for kind in ("sharded", "full.pt", "background"):
         for mine in ranks:
             assert mine[f"{kind}_exact"] and mine[f"{kind}_next_step_exact"] and mine[f"{kind}_step"] == 4
     assert out["after_step"] != out["at_save"]

@@ -306,3 +306,94 @@ def test_a_second_setup_of_the_same_module_in_one_run_is_refused():
         lite.setup(model)
     lite.setup(model)  # outside any launch (a notebook cell run twice): harmless, allowed
     lite.setup(model)
+
+
+def test_a_background_save_holds_the_state_at_the_call(tmp_path):
+    """``lite.save(path, state, blocking=False)`` on one process, then two Adam steps, a new
+    learning rate and an entry changed in place before anything waits: the checkpoint holds
+    the state at the call (plain torch's values, copied then). The next save and a load wait
+    for the write; the write itself is atomic (only the checkpoint is left in the folder)."""
+    model, opt = lite.setup(_model(), torch.optim.Adam(_model().parameters(), lr=0.01))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        lite.backward(model(torch.randn(3, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    counts = torch.arange(3.0)
+    path = tmp_path / "ckpt.pt"
+    handle = lite.save(path, {"model": model, "opt": opt, "counts": counts}, blocking=False)
+    assert isinstance(handle, lite.SaveHandle) and handle.path == path
+    step()
+    step()
+    opt.param_groups[0]["lr"] = 0.5
+    counts += 10
+    fresh = _model()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    state = {"model": fresh, "opt": fresh_opt, "counts": None}
+    assert lite.load(path, state) == {}  # waits for the write first
+    assert handle.done() and repr(handle) == f"<lite.SaveHandle {str(path)!r} written>"
+    handle.wait()  # waited already: returns at once
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected_model[key]), key
+    for p, moment in zip(fresh.parameters(), expected_moments):
+        assert torch.equal(fresh_opt.state[p]["exp_avg"], moment)
+        assert fresh_opt.state[p]["step"].item() == 1
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+    assert state["counts"].tolist() == [0.0, 1.0, 2.0]
+    second = lite.save(path, {"model": model}, blocking=False)
+    lite.save(tmp_path / "other.pt", {"step": 1})  # waits for the one in flight
+    assert second.done()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "other.pt"]
+    with pytest.raises(TypeError, match="blocking must be True or False"):
+        lite.save(path, {}, blocking=0)
+
+
+def test_a_background_write_that_fails_is_raised_at_wait_at_the_next_save_and_at_the_block_end(tmp_path):
+    """torch.save fails in the writing thread (an entry it cannot pickle): the error is raised,
+    as a CheckpointError naming the path, rank 0 and torch's error, at ``handle.wait()``, at
+    the next save (which then writes nothing), and by the launch block's ``with`` statement;
+    the previous checkpoint stays, and no temporary file is left."""
+    path = tmp_path / "ckpt.pt"
+    lite.save(path, {"version": 1})
+    failing = {"version": 2, "hook": lambda: None}
+    handle = lite.save(path, failing, blocking=False)
+    with pytest.raises(lite.CheckpointError, match="failed in the background on rank 0") as raised:
+        handle.wait()
+    assert "Can't pickle" in str(raised.value) and str(path) in str(raised.value)
+    assert raised.value.__cause__ is not None
+    with pytest.raises(lite.CheckpointError):
+        handle.wait()  # the same outcome again
+    with lite.launch(strategy="single"):
+        lite.save(path, failing, blocking=False)
+        with pytest.raises(lite.CheckpointError, match="failed in the background"):
+            lite.save(tmp_path / "next.pt", {"version": 3})
+    with pytest.raises(lite.CheckpointError, match="failed in the background"):
+        with lite.launch(strategy="single"):
+            lite.save(path, failing, blocking=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    assert lite.load(path)["version"] == 1
+
+
+@pytest.mark.parametrize("mode", ["kill", "interrupt"])
+def test_a_process_ended_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, mode):
+    """The writing process killed (SIGKILL while it trains on), or Ctrl-C while it waits for
+    the handle, once the temporary file holds 1 MB of the 64 MB: the path still holds the
+    previous checkpoint; after Ctrl-C the KeyboardInterrupt is raised and the abandoned write
+    removed its temporary file."""
+    from conftest import SCRIPTS, run_warm
+
+    result = run_warm(SCRIPTS / "background_save.py", tmp_path, mode, tmp_path=tmp_path, timeout=120)
+    assert "the save finished first" not in result.stdout, "the signal came too late to test anything"
+    assert lite.load(tmp_path / "ckpt.pt")["version"] == 1
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("out-"))
+    if mode == "kill":
+        assert result.returncode == -9, result.stderr
+        assert "ckpt.pt" in names and all(n.endswith(".tmp") for n in names if n != "ckpt.pt"), names
+    else:
+        assert result.returncode != 0 and result.stderr.strip().splitlines()[-1] == "KeyboardInterrupt", result.stderr
+        assert names == ["ckpt.pt"]

@@ -15,17 +15,21 @@ unpickling arbitrary objects runs arbitrary code.
 A loader from ``setup_dataloader`` may be an entry of the state: what is saved is every
 rank's position in its pass and random states (see ``loader_state``), and loading makes the
 loader's next pass continue where the saved one stopped.
+
+``lite.save(path, state, blocking=False)`` copies the state and writes it in the background
+(``checkpoint_background``); the next save and every load wait for it first.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch.utils.data import DataLoader
 
+from scopedlite._api.checkpoint_background import refuse_background, run_saves, start_save
 from scopedlite._api.checkpoint_path import check_same_path
 from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
@@ -33,6 +37,7 @@ from scopedlite._api.dataloader import DeviceDataLoader
 from scopedlite._api.join import in_join
 from scopedlite._api.missing_entries import missing_entries
 from scopedlite._api.state_dict_file import as_entries
+from scopedlite._io.background import SaveHandle
 from scopedlite._io.canonical import OBJECT, Checkpoint, without_wrapper_prefix
 from scopedlite._io.files import CheckpointError, state_dicts, write_atomically
 from scopedlite._io.reader import open_checkpoint
@@ -42,26 +47,57 @@ from scopedlite._strategies.base import Strategy
 __all__ = ["CheckpointError", "load", "save"]
 
 
-def save(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+@overload
+def save(path: str | os.PathLike[str], state: dict[str, Any], *, blocking: Literal[True] = ...) -> None: ...
+@overload
+def save(path: str | os.PathLike[str], state: dict[str, Any], *, blocking: Literal[False]) -> SaveHandle: ...
+@overload
+def save(path: str | os.PathLike[str], state: dict[str, Any], *, blocking: bool) -> SaveHandle | None: ...
+
+
+def save(path: str | os.PathLike[str], state: dict[str, Any], *, blocking: bool = True) -> SaveHandle | None:
     """Save ``state`` to ``path``: modules and optimizers as state dicts, the rest as is.
 
     Every rank calls it, with the same ``path`` (refused at once on every rank otherwise);
-    rank 0 writes; all ranks return once the file is complete. A loader from
+    rank 0 writes (under fsdp, model_parallel and deepspeed every rank writes its part of a
+    folder); the checkpoint appears at ``path`` atomically. A loader from
     ``lite.setup_dataloader`` is saved as every rank's position and random states.
+
+    Args:
+        path: The file (or folder) to write.
+        state: What to save, e.g. ``{"model": model, "opt": opt, "step": step}``.
+        blocking: True: return once the checkpoint is complete. False: return as soon as
+            every rank has copied its part to the CPU (the checkpoint holds the state as it
+            is at this call) and write it in the background; the next ``save``, a ``load``
+            and the end of the launch block wait for it, and raise its error if it failed.
+            Not under deepspeed (refused).
+
+    Returns:
+        None, or with ``blocking=False`` a :class:`SaveHandle`: ``handle.wait()`` (on every
+        rank) returns once the checkpoint is in place, or raises why it is not.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict such as {{'model': model, 'opt': opt}}, got {type(state).__name__}.")
-    check_same_path(path, "lite.save")
-    state = {key: _loader_entry(key, value) for key, value in state.items()}
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be True or False, got {blocking!r}.")
     run = current()
+    if not blocking:
+        refuse_background(run)
+    check_same_path(path, "lite.save")
+    saves = run_saves()
+    saves.wait()  # the save in flight first: one at a time, and its error is raised here
+    state = {key: _loader_entry(key, value) for key, value in state.items()}
+    if not blocking:
+        return start_save(run, path, state, saves)
     strategy = run.strategy
     if isinstance(strategy, SupportsCheckpoint):  # its own (sharded) checkpoint format
         strategy.save_checkpoint(path, state)
-        return
+        return None
     converted = state_dicts(strategy, state)
     if run.is_global_zero:
         write_atomically(Path(path), converted)
     barrier()
+    return None
 
 
 def load(
@@ -80,6 +116,7 @@ def load(
     the random states of torch, numpy and Python are those of the save (each rank its own).
 
     Every rank calls it, with the same ``path`` (refused at once on every rank otherwise).
+    A save still being written in the background is waited for first.
 
     Args:
         path: The checkpoint: a file, or the folder fsdp (sharded) or deepspeed wrote.
@@ -95,6 +132,7 @@ def load(
         entries; models and optimizers are read only into ``state``).
     """
     check_same_path(path, "lite.load")
+    run_saves().wait()
     loaders = {k: v for k, v in (state or {}).items() if isinstance(v, DeviceDataLoader)}
     if state is not None and loaders:
         work = {k: (None if k in loaders else v) for k, v in state.items()}

@@ -11,16 +11,31 @@ import os
 import pickle
 import secrets
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["CheckpointError", "read", "save_unmasked", "state_dicts", "swap_folder_into_place", "write_atomically"]
+__all__ = [
+    "CheckpointError",
+    "WriteAbandoned",
+    "read",
+    "save_unmasked",
+    "state_dicts",
+    "swap_folder_into_place",
+    "write_atomically",
+]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be read: truncated, not a torch checkpoint, or unsafe."""
+    """A checkpoint could not be read (truncated, not a torch checkpoint, or unsafe), or one
+    written in the background (``lite.save(..., blocking=False)``) could not be written."""
+
+
+class WriteAbandoned(Exception):
+    """A write in the background was asked to stop (Ctrl-C while waiting for it): raised in
+    the writing thread at its next write, so that the temporary file is removed."""
 
 
 def state_dicts(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -37,16 +52,23 @@ def state_dicts(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
-def write_atomically(path: Path, obj: Any) -> None:
+def write_atomically(path: Path, obj: Any, stop: threading.Event | None = None) -> None:
+    """``torch.save(obj)`` to a temporary file beside ``path``, synced and renamed over it.
+
+    ``stop``: set by another thread to abandon the write (see :class:`WriteAbandoned`); the
+    temporary file is removed and ``path`` keeps what it held.
+    """
     path = path.absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not mkstemp: its 0600 mode would stick to the checkpoint; open(..., "xb") honours umask.
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         with open(tmp, "xb") as f:
-            save_unmasked(obj, f)
+            save_unmasked(obj, f, stop)
             f.flush()
             os.fsync(f.fileno())
+        if stop is not None and stop.is_set():
+            raise WriteAbandoned(f"the write of {path} was abandoned")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -58,16 +80,17 @@ def write_atomically(path: Path, obj: Any) -> None:
         os.close(dir_fd)
 
 
-def save_unmasked(obj: Any, file: BinaryIO) -> None:
+def save_unmasked(obj: Any, file: BinaryIO, stop: threading.Event | None = None) -> None:
     """``torch.save(obj, file)``, raising what went wrong rather than what it caused.
 
     When a write to ``file`` raises (Ctrl-C arriving in the middle of a large write, a full
     disk), torch's zip writer is left in the middle of a record, and the end-of-file step its
     ``with`` block runs on the way out raises ``RuntimeError: [enforce fail at
     inline_container.cc] ... unexpected pos``, which is all the user would see. The first
-    exception of a write is raised instead (a KeyboardInterrupt stays one).
+    exception of a write is raised instead (a KeyboardInterrupt stays one). ``stop``: once
+    set, the next write raises :class:`WriteAbandoned`.
     """
-    writes = _Writes(file)
+    writes = _Writes(file, stop)
     try:
         torch.save(obj, writes)
     except Exception as e:
@@ -81,12 +104,15 @@ def save_unmasked(obj: Any, file: BinaryIO) -> None:
 class _Writes:
     """The file ``torch.save`` writes to, remembering the first exception a write raised."""
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, stop: threading.Event | None = None) -> None:
         self.file = file
+        self.stop = stop
         self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         try:
+            if self.stop is not None and self.stop.is_set():
+                raise WriteAbandoned(f"the write of {getattr(self.file, 'name', 'a checkpoint')} was abandoned")
             return self.file.write(data)
         except BaseException as e:
             self.error = self.error or e

@@ -28,6 +28,8 @@ from scopedlite._core import run as _run
 from scopedlite._core.run import Run
 from scopedlite._core.scope import Scope, ScopeError
 from scopedlite._hardware.machine import Machine
+from scopedlite._io.background import BackgroundSaves
+from scopedlite._io.files import CheckpointError
 from scopedlite._launch import history
 from scopedlite._launch.parent import Parent
 from scopedlite._launch.role import External, Role, Solo
@@ -46,6 +48,7 @@ class _Launch(Scope[Run]):
         self._site = site
         self.role: Role | None = None
         self.metrics = MetricLog((), write=False)  # lite.log's record, made once the run is placed
+        self.saves = BackgroundSaves()  # lite.save(..., blocking=False)'s write in flight
 
     @property
     def run(self) -> Run:
@@ -103,14 +106,39 @@ class _Launch(Scope[Run]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        failed_save, exc = self._finish_saves(exc)
         try:
             assert self.role is not None
             self.role.quiet()
         except BaseException as late:  # noqa: BLE001 - a worker's failure interrupted us as the block ended
             exc = exc if exc is not None else late
         _run.launches.remove(self)
-        self.metrics.finish(failed=exc is not None)  # flush the run's loggers, whatever happens next
-        return self.role.exit(exc)
+        self.metrics.finish(failed=exc is not None or failed_save is not None)  # flush the run's loggers
+        suppress = self.role.exit(exc)  # a worker of ours leaves the process here
+        if failed_save is not None and exc is None:
+            raise failed_save  # after the run ended cleanly: every rank agreed on it
+        return suppress
+
+    def _finish_saves(self, exc: BaseException | None) -> tuple[CheckpointError | None, BaseException | None]:
+        """Wait for a ``lite.save(..., blocking=False)`` still being written; return a failed
+        write and the block's exception.
+
+        After a normal end the ranks wait together: a write that failed is known to every
+        rank alike, so the run still ends cleanly and the ``with`` statement raises it (on
+        rank 0, which runs the code after the block; our workers leave as usual). After an
+        exception each rank waits for its own part, and a failure is added to the block's
+        exception as a note. What interrupts the wait (Ctrl-C, a peer gone) is the block's
+        exception.
+        """
+        try:
+            error = self.saves.close(every_rank=exc is None)
+        except CheckpointError as agreed:
+            return agreed, exc
+        except BaseException as e:  # noqa: BLE001 - reported by the role, as the block's own
+            return None, exc if exc is not None else e
+        if error is not None and exc is not None and hasattr(exc, "add_note"):
+            exc.add_note(f"[scopedlite] a save in the background failed as well: {type(error).__name__}: {error}")
+        return None, exc
 
 
 def launch(

@@ -8,11 +8,13 @@ methods, and nothing else changes.
 from __future__ import annotations
 
 import os
-from typing import Any, ContextManager, Iterable, Iterator, Protocol, runtime_checkable
+import threading
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
+    "SupportsBackgroundCheckpoint",
     "SupportsCheckpoint",
     "SupportsDeviceFeed",
     "SupportsJoin",
@@ -63,6 +65,23 @@ class SupportsCheckpoint(Protocol):
     strategy reads every format (``Strategy.load_module_from`` and ``load_optimizer_from``)."""
 
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class SupportsBackgroundCheckpoint(Protocol):
+    """A strategy with a checkpoint format of its own (:class:`SupportsCheckpoint`) that can
+    also write it in the background, for ``lite.save(path, state, blocking=False)``. (A
+    strategy that writes the common file needs nothing: the front end copies and writes it.)"""
+
+    def start_checkpoint(
+        self, path: str | os.PathLike[str], state: dict[str, Any], staging: Any
+    ) -> Callable[[threading.Event], None] | None:
+        """Do now, on every rank, what must happen in step with the other ranks (collectives,
+        the copy of this rank's tensors through ``staging``, an ``_io.background.Staging``),
+        and return what is left for this rank's background thread (None: nothing). That
+        work gets an event set when it is to stop, and must leave the previous checkpoint
+        at ``path`` unless it completes."""
+        ...
 
 
 @runtime_checkable

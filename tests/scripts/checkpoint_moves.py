@@ -13,7 +13,13 @@ another in this process (several only on one process); ``hsdp`` stands for
   ``model.state_dict()``, or a dict of a model's and an optimizer's state dicts and an
   epoch), train one pass;
 - ``paths:NAME``: ``lite.save`` and ``lite.load`` with a path that differs by rank (each rank's
-  error and what was written), then the fix the error names.
+  error and what was written), then the fix the error names;
+- ``async:NAME``: as ``save``, with ``blocking=False``, then epoch 1 trained, the learning rate
+  and the note changed before anything waits (a later ``load:NAME`` checks what was written);
+  then two saves to the same path whose background write fails (an entry torch cannot
+  pickle): one waited for, one found by the next save. Under deepspeed: the refusal;
+- ``inflight:NAME``: as ``save``, with ``blocking=False``, and nothing waits: the end of the
+  launch block must (the last job of its launch).
 
 Rank 0 writes, per launch and job: the global mean loss of each step, the step count and note
 loaded, what load returned, the final parameters; for ``bigload`` every rank's memory.
@@ -67,7 +73,9 @@ def save(name, strategy):
     model, opt, loader = setup(seed=0)
     losses = train_epoch(model, opt, loader)
     note = {"from": strategy, "tensor": torch.arange(3.0)}
-    lite.save(os.path.join(folder, name), {"model": model, "opt": opt, "loader": loader, "step": len(losses), "note": note})
+    lite.save(
+        os.path.join(folder, name), {"model": model, "opt": opt, "loader": loader, "step": len(losses), "note": note}
+    )
     return {"losses": losses}
 
 
@@ -167,7 +175,62 @@ def paths(name):
     }
 
 
-JOBS = {"save": save, "load": load, "bigsave": big_save, "bigload": big_load, "plain": plain, "paths": paths}
+def save_in_background(name, strategy):
+    model, opt, loader = setup(seed=0)
+    losses = train_epoch(model, opt, loader)
+    note = {"from": strategy, "tensor": torch.arange(3.0)}
+    path = os.path.join(folder, name)
+    state = {"model": model, "opt": opt, "loader": loader, "step": len(losses), "note": note}
+    try:
+        handle = lite.save(path, state, blocking=False)
+    except ValueError as e:
+        return {"losses": losses, "refused": str(e)}
+    # none of this may reach the checkpoint: it was copied when save returned
+    train_epoch(model, opt, loader)
+    opt.param_groups[0]["lr"] = 0.5
+    note["tensor"] += 100
+    returned = {"losses": losses, "handle": repr(handle)}  # the load job waits for it
+    entries = {"step": 0}
+    lite.load(path, entries, strict=False)  # waits, then reads the complete checkpoint
+    returned["waited"] = [repr(handle), handle.done(), entries["step"]]
+
+    def unpicklable():  # torch.save fails on it in the background (rank 0 writes the entries)
+        pass
+
+    failing = {"model": model, "opt": opt, "hook": unpicklable}
+    errors = {}
+    handle = lite.save(path, failing, blocking=False)
+    try:
+        handle.wait()
+    except lite.CheckpointError as e:
+        errors["wait"] = [str(e), type(e.__cause__).__name__]
+    lite.save(path, failing, blocking=False)
+    try:  # the next save raises it instead, and does not write
+        lite.save(os.path.join(folder, f"{name}-next"), {"model": model})
+    except lite.CheckpointError as e:
+        errors["next_save"] = [str(e), type(e.__cause__).__name__]
+    returned["errors"] = [lite.broadcast(errors, src=rank) for rank in range(lite.current().world_size)]
+    returned["left"] = sorted(n for n in os.listdir(folder) if n.startswith(f".{name}") or n.startswith(f"{name}-"))
+    return returned
+
+
+def left_in_flight(name, strategy):
+    model, opt, loader = setup(seed=0)
+    losses = train_epoch(model, opt, loader)
+    lite.save(os.path.join(folder, name), {"model": model, "opt": opt, "step": len(losses)}, blocking=False)
+    return {"losses": losses}
+
+
+JOBS = {
+    "async": save_in_background,
+    "inflight": left_in_flight,
+    "save": save,
+    "load": load,
+    "bigsave": big_save,
+    "bigload": big_load,
+    "plain": plain,
+    "paths": paths,
+}
 
 # names of this script for strategies no launch(strategy=) name stands for
 INSTANCES = {"hsdp": lambda: lite.FSDPStrategy(replicate_degree=2)}
@@ -179,6 +242,6 @@ for strategy, devices, jobs in launches:
         done = {}
         for job in jobs:
             kind, name = job.split(":")
-            done[job] = JOBS[kind](name, strategy) if kind == "save" else JOBS[kind](name)
+            done[job] = JOBS[kind](name, strategy) if kind in ("save", "async", "inflight") else JOBS[kind](name)
         results.append({"strategy": strategy, "world_size": run.world_size, "jobs": done})
 write(results)  # only the main process (rank 0) gets here: the others leave at the end of the block

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -209,6 +210,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             self._fsdp_mesh = init_device_mesh(placement.device.type, shape, mesh_dim_names=(REPLICATE, SHARD))
+        self._checkpoint_group: Any = None
         self._init_records = InitRecords()
         # id(parameter before sharding) -> weak refs to it and to the sharded parameter replacing
         # it (weak: a model the user drops is released, its parameters with it)
@@ -229,6 +231,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         if getattr(self, "_ledger", None) is not None:
             self._ledger.close()
         self._fsdp_mesh = None
+        self._checkpoint_group = None  # destroyed with the default group
         super().stop()
 
     # -- building and sharding ------------------------------------------------------------
@@ -450,6 +453,23 @@ class FSDPStrategy(ProcessGroupStrategy):
         """``lite.save`` under FSDP: a folder of shards, or one full file (``state_dict_type``)."""
         save = _checkpoint.save_sharded if self.state_dict_type == "sharded" else _checkpoint.save_full
         save(self, Path(path), state)
+
+    def start_checkpoint(
+        self, path: str | os.PathLike[str], state: dict[str, Any], staging: Any
+    ) -> Callable[[threading.Event], None] | None:
+        """``lite.save(..., blocking=False)`` under FSDP: the same folder or file, written in
+        the background (``fsdp/checkpoint.py``)."""
+        start = _checkpoint.start_sharded if self.state_dict_type == "sharded" else _checkpoint.start_full
+        return start(self, Path(path), state, staging)
+
+    def checkpoint_group(self) -> Any:
+        """The process group of checkpoints written in the background: gloo, of every rank,
+        made at the first such save (every rank saves). Their messages must not share the
+        default group with the training's: a group's collectives are matched by the order
+        in which each rank issues them, and the writing thread issues its own at any time."""
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
 
 
 @contextlib.contextmanager
