@@ -41,7 +41,12 @@ if importlib.util.find_spec("deepspeed") is None:
 pytestmark = [pytest.mark.timeout(400), pytest.mark.deepspeed_op]
 
 # checkpoint name: the strategy and world size that saved it
-SAVED = {"S": ("single", 1), "D": ("ddp", 2), "F": ("fsdp", 2), "Z": ("deepspeed_stage_3", 2), "Z2": ("deepspeed_stage_2", 1)}
+SAVED = {
+    "S": ("single", 1), "D": ("ddp", 2), "F": ("fsdp", 2), "Z": ("deepspeed_stage_3", 2), "Z2": ("deepspeed_stage_2", 1),
+    "Z1": ("deepspeed_stage_1", 2),
+}
+# saved after the first step of epoch 0 (the loader in the middle of its pass): by whom, loaded by whom
+MID_EPOCH = {"DM": ("ddp", ["fsdp", "deepspeed_stage_3", "deepspeed_stage_1"]), "ZM": ("deepspeed_stage_3", ["ddp", "fsdp"])}
 MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
 ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2"]
 # files plain torch wrote (the fixture writes them): a bare state dict, the same from a
@@ -50,19 +55,21 @@ ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2"]
 PLAIN = ["plain:P", "plain:PD", "plain:PN"]
 LAUNCHES = [  # in order: each loads what the launches before it saved
     [["single", 1, ["save:S", "load:S", *PLAIN]]],
-    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp"]]],
-    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp"]]],
-    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3"]]],
-    [["ddp", 2, ["load:F", "load:Z"]]],
-    [["fsdp", 2, ["load:Z", "bigload:ZB", "bigload:FB"]]],
+    [["ddp", 2, ["save:D", "load:S", "load:D", "midsave:DM", *PLAIN, "paths:ddp"]]],
+    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "midload:DM", "bigsave:FB", *PLAIN, "paths:fsdp"]]],
+    [["deepspeed_stage_3", 2, [
+        "save:Z", "load:S", "load:D", "load:F", "load:Z", "midsave:ZM", "midload:DM", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3",
+    ]]],
+    [["deepspeed_stage_1", 2, ["save:Z1", "midload:DM", *PLAIN, "paths:ds1"]]],
+    [["ddp", 2, ["load:F", "load:Z", "load:Z1", "midload:ZM"]]],
+    [["fsdp", 2, ["load:Z", "midload:ZM", "bigload:ZB", "bigload:FB"]]],
     [  # one process, four launches one after another
-        ["single", 1, ["load:D", "load:F", "load:Z"]],  # first: DeepSpeed not imported yet
+        ["single", 1, ["load:D", "load:F", "load:Z", "load:Z1"]],  # first: DeepSpeed not imported yet
         ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2", *PLAIN]],
-        ["fsdp", 1, ALL],
+        ["fsdp", 1, [*ALL, "load:Z1"]],
         ["deepspeed_stage_3", 1, ALL],
     ],
     [["fsdp", 3, ALL[:4]]],
-    [["deepspeed_stage_1", 2, [*PLAIN, "paths:ds1"]]],
 ]
 PATHS = {"ddp": "ddp", "fsdp": "fsdp", "deepspeed_stage_3": "ds3", "deepspeed_stage_1": "ds1"}
 
@@ -251,3 +258,30 @@ def test_a_path_that_differs_between_ranks_is_refused_on_every_rank(moves, loade
     assert result["written"] == []  # refused before anything was written, on any rank
     assert result["fixed"] == [f"{name}-rank0"]
     assert result["rest"] == {}
+
+
+def test_a_zero1_checkpoint_continues_exactly_under_the_other_strategies(moves):
+    """ZeRO-1's folder (its optimizer partitioned, its parameters whole) into ddp on 2 ranks,
+    and single and fsdp on one process (single without importing DeepSpeed)."""
+    results, _ = moves
+    for loader, world_size in (("ddp", 2), ("single", 1), ("fsdp", 1)):
+        _check_continued(results[(loader, world_size)]["load:Z1"], "Z1", world_size)
+    assert results[("single", 1)]["load:Z1"]["deepspeed_imported"] is False
+
+
+@pytest.mark.parametrize("name", list(MID_EPOCH))
+def test_a_loader_saved_mid_epoch_continues_with_its_next_batch_under_another_strategy(moves, name):
+    """Saved after the first of epoch 0's 3 steps (ddp's file, ZeRO-3's folder), loaded into
+    a model with other values under other strategies on 2 ranks: the losses of the rest of
+    epoch 0 and of epoch 1 are plain torch's uninterrupted ones, each rank reading what
+    torch's DistributedSampler gives it, from the batch after the saved one."""
+    results, _ = moves
+    saver, loaders = MID_EPOCH[name]
+    (first, second), _ = reference([(2, 0), (2, 1)])
+    assert len(first) == 3
+    assert _close(results[(saver, 2)][f"midsave:{name}"]["losses"], first) < 1e-6, saver
+    for loader in loaders:
+        got = results[(loader, 2)][f"midload:{name}"]
+        assert got["step"] == 1, loader
+        assert _close(got["rest_of_epoch"], first[1:]) < 1e-6, (loader, got["rest_of_epoch"], first[1:])
+        assert _close(got["next_epoch"], second) < 1e-6, (loader, got["next_epoch"], second)
