@@ -14,7 +14,11 @@ deepspeed_stage_2 (which saves a ZeRO-2 checkpoint too), fsdp and deepspeed_stag
 device one after another, and fsdp on 3 ranks. A model of eight 4 MB parameters checks that
 loading a sharded checkpoint never needs the whole model.
 
-The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain torch wrote
+A checkpoint saved in the middle of epoch 0 (after its first step, by ddp and by ZeRO-3)
+continues under other strategies on 2 ranks with the batch after the saved one. A launch of
+deepspeed_stage_1 on 2 ranks saves a ZeRO-1 folder that ddp, single and fsdp continue.
+
+The same launches load files plain torch wrote
 (issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
 a model's and an AdamW's state dicts and an epoch, each compared with the plain-torch model;
 and every 2-rank launch tries ``lite.save`` / ``lite.load`` with a path that differs by rank.
