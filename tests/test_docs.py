@@ -418,3 +418,15 @@ def test_a_figure_from_a_measurement_names_its_source():
                 if not any(p == page.name and text in paragraph for p, text in SETTINGS):
                     unsourced.append(f"{page.name}: ...{around}...")
     assert not unsourced, f"measured figures without benchmarks/results.md as their source: {unsourced}"
+
+
+def test_the_benchmarks_page_shows_the_results_file_as_it_is():
+    """docs/benchmarks.md's Results section is benchmarks/run.py's copy of results.md: every
+    line of it is a line of that file (a figure edited by hand on the page fails here)."""
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    section = re.search(r"<!-- results:start[^\n]*-->\n(.*?)<!-- results:end -->", page, re.S)
+    assert section, "docs/benchmarks.md lost its results markers"
+    lines = set(RESULTS.read_text().splitlines())
+    shown = [line.replace("### Notes per row", "## Notes per row") for line in section.group(1).splitlines() if line.strip()]
+    assert len(shown) > 20
+    assert not [line for line in shown if line not in lines], "lines of the page that benchmarks/results.md does not have"
