@@ -304,3 +304,23 @@ def test_no_strategy_method_goes_unused(name):
         f"strategy={name!r} defines {stray}, which the front end never calls: declare the "
         "ability in scopedlite/_strategies/abilities.py and use it, or make the method private"
     )
+
+
+def test_join_under_a_strategy_without_it_names_the_strategies_that_have_it():
+    """SPEC 5: a strategy with no join mechanism refuses ``lite.join`` with the strategies that
+    support it. ``xla`` (several XLA processes) is the one; its class is built unstarted here,
+    so this runs without torch_xla (tests/test_xla.py runs it for real in the XLA venv)."""
+    strategy = STRATEGIES["xla"]()
+    assert not isinstance(strategy, abilities.SupportsJoin)
+    with _as_rank_of_two(strategy, 0):
+        with pytest.raises(RuntimeError) as refused:
+            with lite.join():
+                pytest.fail("the block ran")
+    supporting = (
+        "'single', 'ddp', 'ddp_fork', 'ddp_notebook', 'fsdp', 'model_parallel', 'deepspeed', "
+        "'deepspeed_stage_1', 'deepspeed_stage_2', 'deepspeed_stage_2_offload', 'deepspeed_stage_3', "
+        "'deepspeed_stage_3_offload', 'xla_single'"
+    )
+    assert str(refused.value) == (
+        f"lite.join is not available under strategy='xla'. Strategies that support it: {supporting}."
+    )

@@ -16,7 +16,11 @@ device one after another, and fsdp on 3 ranks. HSDP (``FSDPStrategy(replicate_de
 load its folder. A model of eight 4 MB parameters checks that loading a sharded checkpoint
 never needs the whole model.
 
-The same launches (and one of deepspeed_stage_1 on 2 ranks) load files plain torch wrote
+A checkpoint saved in the middle of epoch 0 (after its first step, by ddp and by ZeRO-3)
+continues under other strategies on 2 ranks with the batch after the saved one. A launch of
+deepspeed_stage_1 on 2 ranks saves a ZeRO-1 folder that ddp, single and fsdp continue.
+
+The same launches load files plain torch wrote
 (issue 36): a bare ``model.state_dict()``, one with DDP's ``module.`` prefix, and a dict of
 a model's and an AdamW's state dicts and an epoch, each compared with the plain-torch model;
 and every 2-rank launch tries ``lite.save`` / ``lite.load`` with a path that differs by rank.
@@ -58,10 +62,13 @@ SAVED = {
     "F": ("fsdp", 2),
     "Z": ("deepspeed_stage_3", 2),
     "Z2": ("deepspeed_stage_2", 1),
+    "Z1": ("deepspeed_stage_1", 2),
     "H": ("hsdp", 4),  # HSDP: FSDPStrategy(replicate_degree=2), 2 replicas of 2 shards
 }
 # saved with lite.save(..., blocking=False), then trained on before anything waited (issue 39)
 SAVED_IN_BACKGROUND = {"DA": ("ddp", 2), "FA": ("fsdp", 2)}
+# saved after the first step of epoch 0 (the loader in the middle of its pass): by whom, loaded by whom
+MID_EPOCH = {"DM": ("ddp", ["fsdp", "deepspeed_stage_3", "deepspeed_stage_1"]), "ZM": ("deepspeed_stage_3", ["ddp", "fsdp"])}
 MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
 ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 # files plain torch wrote (the fixture writes them): a bare state dict, the same from a
@@ -70,20 +77,25 @@ ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 PLAIN = ["plain:P", "plain:PD", "plain:PN"]
 LAUNCHES = [  # in order: each loads what the launches before it saved
     [["single", 1, ["save:S", "load:S", *PLAIN]]],
-    [["ddp", 2, ["save:D", "load:S", "load:D", *PLAIN, "paths:ddp", "async:DA", "load:DA", "inflight:DI"]]],
-    [["fsdp", 2, ["save:F", "load:S", "load:D", "load:F", "bigsave:FB", *PLAIN, "paths:fsdp", "async:FA", "load:FA", "inflight:FI"]]],
-    [["deepspeed_stage_3", 2, ["save:Z", "load:S", "load:D", "load:F", "load:Z", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3", "async:ZA"]]],
+    [["ddp", 2, ["save:D", "load:S", "load:D", "midsave:DM", *PLAIN, "paths:ddp", "async:DA", "load:DA", "inflight:DI"]]],
+    [["fsdp", 2, [
+        "save:F", "load:S", "load:D", "load:F", "midload:DM", "bigsave:FB", *PLAIN, "paths:fsdp", "async:FA", "load:FA", "inflight:FI",
+    ]]],
+    [["deepspeed_stage_3", 2, [
+        "save:Z", "load:S", "load:D", "load:F", "load:Z", "midsave:ZM", "midload:DM", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3",
+        "async:ZA",
+    ]]],
     [["hsdp", 4, ["save:H", *ALL[:4], "load:H"]]],
-    [["ddp", 2, ["load:F", "load:Z", "load:H"]]],
-    [["fsdp", 2, ["load:Z", "load:H", "bigload:ZB", "bigload:FB"]]],
+    [["deepspeed_stage_1", 2, ["save:Z1", "midload:DM", "load:H", *PLAIN, "paths:ds1"]]],
+    [["ddp", 2, ["load:F", "load:Z", "load:Z1", "load:H", "midload:ZM"]]],
+    [["fsdp", 2, ["load:Z", "load:H", "midload:ZM", "bigload:ZB", "bigload:FB"]]],
     [  # one process, four launches one after another
-        ["single", 1, ["load:D", "load:F", "load:Z", "load:H"]],  # first: DeepSpeed not imported yet
+        ["single", 1, ["load:D", "load:F", "load:Z", "load:Z1", "load:H"]],  # first: DeepSpeed not imported yet
         ["deepspeed_stage_2", 1, ["save:Z2", *ALL[:4], "load:Z2", "load:H", *PLAIN]],
-        ["fsdp", 1, ALL],
+        ["fsdp", 1, [*ALL, "load:Z1"]],
         ["deepspeed_stage_3", 1, ALL],
     ],
     [["fsdp", 3, [*ALL[:4], "load:H"]]],
-    [["deepspeed_stage_1", 2, ["load:H", *PLAIN, "paths:ds1"]]],
 ]
 PATHS = {"ddp": "ddp", "fsdp": "fsdp", "deepspeed_stage_3": "ds3", "deepspeed_stage_1": "ds1"}
 
@@ -373,3 +385,28 @@ def test_the_end_of_the_launch_block_waits_for_a_background_save(moves, name, st
     for key, value in params.items():
         assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=1e-6), (strategy, key)
     assert not [p.name for p in folder.iterdir() if p.name.startswith(f".{name}")]  # no temporary left
+def test_a_zero1_checkpoint_continues_exactly_under_the_other_strategies(moves):
+    """ZeRO-1's folder (its optimizer partitioned, its parameters whole) into ddp on 2 ranks,
+    and single and fsdp on one process (single without importing DeepSpeed)."""
+    results, _ = moves
+    for loader, world_size in (("ddp", 2), ("single", 1), ("fsdp", 1)):
+        _check_continued(results[(loader, world_size)]["load:Z1"], "Z1", world_size)
+    assert results[("single", 1)]["load:Z1"]["deepspeed_imported"] is False
+
+
+@pytest.mark.parametrize("name", list(MID_EPOCH))
+def test_a_loader_saved_mid_epoch_continues_with_its_next_batch_under_another_strategy(moves, name):
+    """Saved after the first of epoch 0's 3 steps (ddp's file, ZeRO-3's folder), loaded into
+    a model with other values under other strategies on 2 ranks: the losses of the rest of
+    epoch 0 and of epoch 1 are plain torch's uninterrupted ones, each rank reading what
+    torch's DistributedSampler gives it, from the batch after the saved one."""
+    results, _ = moves
+    saver, loaders = MID_EPOCH[name]
+    (first, second), _ = reference([(2, 0), (2, 1)])
+    assert len(first) == 3
+    assert _close(results[(saver, 2)][f"midsave:{name}"]["losses"], first) < 1e-6, saver
+    for loader in loaders:
+        got = results[(loader, 2)][f"midload:{name}"]
+        assert got["step"] == 1, loader
+        assert _close(got["rest_of_epoch"], first[1:]) < 1e-6, (loader, got["rest_of_epoch"], first[1:])
+        assert _close(got["next_epoch"], second) < 1e-6, (loader, got["next_epoch"], second)

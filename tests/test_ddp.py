@@ -26,6 +26,17 @@ def test_ddp_matches_single_process_over_the_global_batch(script, devices):
     # parameters identical on every rank
     first = out["first_param_on_each_rank"]
     assert all(row == first[0] for row in first)
+    _check_threads(out, devices)
+
+
+def _check_threads(out, devices):
+    """SPEC 4: with N local processes on C cores, each uses max(1, C // N) torch threads unless
+    OMP_NUM_THREADS is set; the main process gets its own count back after the block."""
+    if out["omp_num_threads"] is None:
+        assert out["threads"] == [max(1, out["cores"] // devices)] * devices, (out["threads"], out["cores"])
+    else:
+        assert out["threads"][0] == out["threads_before"], "OMP_NUM_THREADS is the user's: left as it was"
+    assert out["threads_after"] == out["threads_before"]
 
 
 def test_single_strategy_gives_the_single_process_result(script):

@@ -211,6 +211,35 @@ def test_zero_trains_like_one_process_on_the_same_data(script, strategy, accumul
     # DeepSpeed's noise stays out: its INFO logs and its "built successfully" print
     assert "[INFO]" not in result.stdout + result.stderr
     assert "built successfully" not in result.stdout
+    if not accumulate:
+        _check_resume_and_join_refusals(out)
+
+
+def _check_resume_and_join_refusals(out):
+    """deepspeed_train.py after its training: saved after 3 of 8 steps of a shuffled pass with
+    dropout and momentum, loaded, the pass continues with the same losses and outputs to the
+    last bit; and the join refusals of this stage, on every rank, the session usable after."""
+    if out["stage"] == 1:  # ZeRO-1 and 2 share DeepSpeed's checkpoint code: resumed under 2 and 3
+        assert "resume" not in out
+    else:
+        _check_resume(out["resume"])
+    if out["stage"] == 3:  # tests/test_join.py checks ZeRO-3's refusals
+        assert "join_refusals" not in out
+        return
+    assert len(out["join_refusals"]) == 2
+    for errors in out["join_refusals"]:  # every rank raised, together: nobody hangs
+        assert errors["lr_by_hand"].startswith("RuntimeError") and "changed from 0.1 to 0.5" in errors["lr_by_hand"]
+        assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
+        assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
+        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
+        assert errors["after"] == 2
+
+
+def _check_resume(resume):
+    assert resume["steps"] == 8
+    assert resume["resumed"] == resume["reference"], "the resumed pass differs from the uninterrupted one"
+    assert all(0 < loss < 10 for loss in resume["reference"][0]), resume  # finite, training: == can fail
+    assert len(resume["resumed"][0]) == 5  # the 5 batches not yet seen, no more
 
 
 @needs_deepspeed

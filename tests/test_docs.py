@@ -326,3 +326,107 @@ def test_every_environment_variable_is_on_the_environment_page():
     listed = set(re.findall(r"SCOPEDLITE_[A-Z_]*[A-Z]", (REPO / "docs" / "environment.md").read_text()))
     assert len(used) >= 10, used
     assert used == listed, f"in the code, not on the page: {sorted(used - listed)}; on the page, not in the code: {sorted(listed - used)}"
+
+
+# -- measured figures: each from the file benchmarks/ writes -------------------------------------
+
+RESULTS = REPO / "benchmarks" / "results.md"
+# A paragraph that names one of these takes its measured figures from benchmarks/results.md
+# (docs/benchmarks.md is that file's copy, rewritten by benchmarks/run.py).
+SOURCE_NAMES = ("benchmarks/results.md", "(benchmarks.md)")
+# A figure: a number with a unit of time, size or ratio, or any decimal (a ratio, a spread).
+# "3×512" is a shape, not a ratio.
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?![\d.]\d)(?:\s?(ms|µs|us|s|MB|GB|x|%)(?![\w])|\s?(×)(?!\d))?")
+# What only a measurement gives: a duration in ms or µs, or seconds with decimals.
+TIMING = re.compile(r"\d(?:\s?(?:ms|µs|us)\b|\s?(?:milli|micro)seconds?\b)|\d\.\d+\s?s\b|\bfew (?:milli|micro)seconds\b")
+# Durations the docs state that are settings of the code, not measurements: (page, text) -> where.
+SETTINGS = {
+    ("launching.md", "every 50 ms"): ("scopedlite/_launch/supervise.py", "0.05"),
+}
+
+
+def _prose_paragraphs(page: Path) -> list[str]:
+    """The page's paragraphs outside code blocks (and, on docs/benchmarks.md, outside the
+    section benchmarks/run.py copies from results.md); a table belongs to the paragraph that
+    introduces it."""
+    text = re.sub(r"^[ \t]*```.*?^[ \t]*```[^\n]*$", "", page.read_text(), flags=re.S | re.M)
+    text = re.sub(r"<!-- results:start.*?<!-- results:end -->", "", text, flags=re.S)
+    paragraphs: list[str] = []
+    for chunk in re.split(r"\n[ \t]*\n", text):
+        if chunk.lstrip().startswith("|") and paragraphs:
+            paragraphs[-1] += "\n" + chunk
+        elif chunk.strip():
+            paragraphs.append(chunk)
+    return paragraphs
+
+
+def _unit(unit: str | None) -> str:
+    return {"µs": "us", None: "", "×": "x", "%": ""}.get(unit, unit or "")
+
+
+def _measured(text: str) -> list[tuple[str, str]]:
+    """(number, unit) of each figure: with a unit, or a decimal."""
+    return [
+        (m.group(1), _unit(m.group(2) or m.group(3))) for m in FIGURE.finditer(text) if m.group(2) or m.group(3) or "." in m.group(1)
+    ]
+
+
+def _in_results(number: str, unit: str, results: list[tuple[float, str]]) -> bool:
+    """Some figure of results.md rounds to ``number`` (to its decimals), in the same unit where
+    the unit is a time or a size."""
+    decimals = len(number.partition(".")[2])
+    return any(
+        f"{value:.{decimals}f}" == number and (unit not in ("ms", "us", "s", "MB", "GB") or got == unit)
+        for value, got in results
+    )
+
+
+def _sourced_figures() -> list[tuple[str, str, str]]:
+    """(page, number, unit) of every figure in a paragraph that names benchmarks/results.md."""
+    found = []
+    for page in PAGES:
+        for paragraph in _prose_paragraphs(page):
+            if any(name in paragraph for name in SOURCE_NAMES):
+                found += [(page.name, number, unit) for number, unit in _measured(paragraph)]
+    return found
+
+
+def test_every_figure_quoted_from_the_benchmarks_is_in_their_results_file():
+    """A paragraph that names benchmarks/results.md (or links the Benchmarks page) quotes only
+    figures that file has: a figure copied from an older run, or typed by hand, fails here."""
+    results = [(float(n), _unit(u)) for n, u in _measured(RESULTS.read_text())]
+    results += [(float(m.group(1)), "") for m in re.finditer(r"(?<![\w.])(\d+)(?![\w.]*\d)", RESULTS.read_text())]
+    figures = _sourced_figures()
+    assert len(figures) > 20, figures  # the join costs, crash latency, memory, check costs
+    missing = [f"{page}: {number} {unit}".strip() for page, number, unit in figures if not _in_results(number, unit, results)]
+    assert not missing, f"figures the docs attribute to benchmarks/results.md that it does not have: {missing}"
+
+
+def test_a_figure_from_a_measurement_names_its_source():
+    """Durations in ms or µs, or seconds with decimals, come from a measurement: the paragraph
+    names benchmarks/results.md, or the figure is a setting of the code (SETTINGS)."""
+    for (page, text), (path, value) in SETTINGS.items():
+        assert text in (REPO / "docs" / page).read_text(), f"{page} no longer says {text!r}: drop it from SETTINGS"
+        assert value in (REPO / path).read_text(), f"{path} no longer has {value}"
+    unsourced = []
+    for page in PAGES:
+        for paragraph in _prose_paragraphs(page):
+            if any(name in paragraph for name in SOURCE_NAMES):
+                continue
+            for match in TIMING.finditer(paragraph):
+                around = paragraph[max(0, match.start() - 12) : match.end() + 12]
+                if not any(p == page.name and text in paragraph for p, text in SETTINGS):
+                    unsourced.append(f"{page.name}: ...{around}...")
+    assert not unsourced, f"measured figures without benchmarks/results.md as their source: {unsourced}"
+
+
+def test_the_benchmarks_page_shows_the_results_file_as_it_is():
+    """docs/benchmarks.md's Results section is benchmarks/run.py's copy of results.md: every
+    line of it is a line of that file (a figure edited by hand on the page fails here)."""
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    section = re.search(r"<!-- results:start[^\n]*-->\n(.*?)<!-- results:end -->", page, re.S)
+    assert section, "docs/benchmarks.md lost its results markers"
+    lines = set(RESULTS.read_text().splitlines())
+    shown = [line.replace("### Notes per row", "## Notes per row") for line in section.group(1).splitlines() if line.strip()]
+    assert len(shown) > 20
+    assert not [line for line in shown if line not in lines], "lines of the page that benchmarks/results.md does not have"

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 pytestmark = pytest.mark.timeout(60)
+LATENCY_BOUND = 5.0  # seconds from the fault to the error in the main process
 
 MODES = ("raise", "kill", "abort", "sigterm")
 POINTS = ("init", "forward", "collective", "save")
@@ -70,8 +71,11 @@ def test_fault_ends_the_run_cleanly(script, rank, mode, point, start):
         assert out["error"] == "WorkerFailedError", result.explain()
         assert out["ranks"] == [rank], out["message"]
         assert EXPECTED[mode] in out["message"], out["message"]
-        # found, not waited out: a missed failure ends only with launch(timeout=30)'s timeout
-        assert out["latency"] is not None and out["latency"] < out["timeout"], out["latency"]
+    # Found within about a second (benchmarks/crash_latency.py measures it: tens of ms), not
+    # waited out: a missed failure idles for launch(timeout=30) or waits in a collective until
+    # it (past it, for "skip"), so LATENCY_BOUND, far below 30 s and far above what a loaded
+    # 2-core machine adds to a found failure, tells one from the other.
+    assert out["latency"] is not None and out["latency"] < LATENCY_BOUND, out["latency"]
     for pid in out["pids"]:
         if psutil.pid_exists(pid):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"

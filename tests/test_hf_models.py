@@ -90,6 +90,7 @@ def test_gpt2_and_llama_train_generate_save_and_load_as_plain_models(script, tmp
         assert got["load_equal"] is True
         assert got["pretrained_equal"] is True
         assert got["pretrained_generated"] == generated
+        _check_each_rank_read_its_part(got["pretrained_read"], strategy)
 
     if strategy == "model_parallel":
         assert "compile" not in out and "gpt2" not in out  # Llama alone has a plan here
@@ -102,3 +103,14 @@ def test_gpt2_and_llama_train_generate_save_and_load_as_plain_models(script, tmp
     net = compile_reference(world_size)
     expected = [param.detach().flatten().tolist() for param in net.parameters()]
     assert_close(compiled["params"], expected, 1e-6, "the compiled model's parameters")
+
+
+def _check_each_rank_read_its_part(read, strategy):
+    """lite.load_pretrained read on rank 0 about its half of the file's elements under the
+    sharding strategies (FSDP's rows; a ZeRO-3 partition, read in whole rows around it), and
+    the whole file, once, where every rank holds every parameter."""
+    got, total = read
+    if strategy in ("fsdp", "deepspeed_stage_3"):
+        assert total / 2 <= got < 0.6 * total, f"{strategy}: rank 0 read {got} of the file's {total} elements"
+    else:
+        assert got == total, f"{strategy}: read {got} of the file's {total} elements"

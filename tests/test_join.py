@@ -38,6 +38,14 @@ def test_join_uneven(script, strategy, world, configs):
     everyone = result.json()
     for k, (n, batch, divide) in enumerate(configs):
         _check_join_run([records[k] for records in everyone], world, n, batch, divide)
+    _check_free_when_even([records[-1]["even_rounds"] for records in everyone], world)
+
+
+def _check_free_when_even(rounds, world):
+    """Over a set-up loader on even data, one round (an all-gather of openers) when the pass
+    begins and none per step: 5 steps cost what 2 do (one device: no round at all)."""
+    for rank, counts in enumerate(rounds):
+        assert counts == ({"2": 1, "5": 1} if world > 1 else {"2": 0, "5": 0}), f"rank {rank}: all-gathers {counts}"
 
 
 def _check_join_run(ranks, world, n, batch, divide):

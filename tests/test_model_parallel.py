@@ -219,10 +219,11 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
         assert mine["from_single"]["params"] == expected and mine["from_single"]["step"] == 3
         assert_close(mine["from_single"]["after_step"], _flat(single), 1e-6, "the step after a single checkpoint")
 
-    # ... and in one process, without processes: the full file as it is, the folder consolidated
+    # ... and in one process, without processes: the full file as it is, the folder consolidated,
+    # and the folder as it is
     single = tmp_path / "consolidated.pt"
     lite.consolidate_checkpoint(tmp_path / "sharded", single)
-    for path in (tmp_path / "full.pt", single):
+    for path in (tmp_path / "full.pt", single, tmp_path / "sharded"):
         torch.manual_seed(5)
         model = make_net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

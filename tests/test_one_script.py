@@ -113,6 +113,11 @@ def _reference() -> dict:
     train(model, opt, steps=2, start=40, clip_val=0.01)
     out["after_clip_value"] = _flat(model)
     model_a, model_b = build(20), build(21)
+    x, y = global_batch(50)
+    (loss_of(model_a, x, y) + loss_of(model_b, x, y)).backward()  # one loss through two models
+    out["joint_grads"] = [[None if p.grad is None else p.grad.flatten().tolist() for p in m.parameters()] for m in (model_a, model_b)]
+    model_a.zero_grad()
+    model_b.zero_grad()
     train(model_b, sgd(model_b), steps=1, start=51)
     train(model_a, sgd(model_a), steps=1, start=52)
     out["model_a"], out["model_b"] = _flat(model_a), _flat(model_b)
@@ -185,6 +190,9 @@ def test_one_script_runs_unchanged_and_matches_one_process(strategy, tmp_path):
     else:
         assert result["ambiguous_backward"] == "no error"
         assert result["backward_plain_model"] == "no error"
+        # that backward, through two set-up models (a GAN's generator step through its
+        # discriminator is one), gave each model plain torch's gradients on the whole batch
+        _check_joint_grads(result["joint_grads"], _reference()["joint_grads"], strategy)
     # The user's `config` is the user's under every strategy, though a DeepSpeed engine has a
     # `config` of its own (DeepSpeed reaches that one on the engine itself); nothing to warn.
     assert result["config_is_users"] is True
@@ -254,3 +262,13 @@ def test_a_method_of_an_fsdp_unit_gathers_and_trains_as_one_process(script):
     with torch.no_grad():
         expected = torch.cat([net.block.attend(x) for x in xs]).flatten().tolist()
     assert_close(result.json()["outputs"], expected, 1e-6, "the method's outputs after training")
+
+
+def _check_joint_grads(got, expected, strategy):
+    assert len(got) == len(expected) == 2
+    for m, (got_model, expected_model) in enumerate(zip(got, expected)):
+        assert [g is None for g in got_model] == [e is None for e in expected_model], f"{strategy}: model {m}: which gradients exist"
+        assert any(e is not None for e in expected_model)
+        for k, (g, e) in enumerate(zip(got_model, expected_model)):
+            if e is not None:
+                assert_close(g, e, 1e-5, f"{strategy}: model {m}, parameter {k}: gradient")

@@ -7,6 +7,9 @@ another in this process (several only on one process); ``hsdp`` stands for
 - ``save:NAME``: train epoch 0 from seed 0, save model, optimizer, loader, step and a note to
   ``folder/NAME``;
 - ``load:NAME``: build from seed 1 (other values), load ``folder/NAME``, train epoch 1;
+- ``midsave:NAME``: as ``save``, but saved after the first step of epoch 0 (model, optimizer,
+  loader in the middle of its pass, step);
+- ``midload:NAME``: build from seed 1, load ``folder/NAME``, the rest of epoch 0, epoch 1;
 - ``bigsave:NAME``: a model of eight 4 MB parameters, one AdamW step, saved;
 - ``bigload:NAME``: the same model set up fresh; its peak memory while ``lite.load`` reads;
 - ``plain:NAME``: build from seed 1, load ``folder/NAME``, a file plain torch wrote (a bare
@@ -77,6 +80,29 @@ def save(name, strategy):
         os.path.join(folder, name), {"model": model, "opt": opt, "loader": loader, "step": len(losses), "note": note}
     )
     return {"losses": losses}
+
+
+def mid_save(name, strategy):
+    """Epoch 0 from seed 0, saved after its first step: the loader in the middle of its pass."""
+    model, opt, loader = setup(seed=0)
+    losses = []
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        lite.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(lite.all_reduce(loss.detach(), op="mean").item())
+        if len(losses) == 1:
+            lite.save(os.path.join(folder, name), {"model": model, "opt": opt, "loader": loader, "step": 1})
+    return {"losses": losses}
+
+
+def mid_load(name):
+    """Seed 1, the mid-epoch checkpoint loaded: the rest of epoch 0, then epoch 1."""
+    model, opt, loader = setup(seed=1)
+    state = {"model": model, "opt": opt, "loader": loader, "step": 0}
+    lite.load(os.path.join(folder, name), state)
+    return {"rest_of_epoch": train_epoch(model, opt, loader), "next_epoch": train_epoch(model, opt, loader), "step": state["step"]}
 
 
 def load(name):
@@ -225,6 +251,8 @@ JOBS = {
     "async": save_in_background,
     "inflight": left_in_flight,
     "save": save,
+    "midsave": mid_save,
+    "midload": mid_load,
     "load": load,
     "bigsave": big_save,
     "bigload": big_load,
@@ -242,6 +270,6 @@ for strategy, devices, jobs in launches:
         done = {}
         for job in jobs:
             kind, name = job.split(":")
-            done[job] = JOBS[kind](name, strategy) if kind in ("save", "async", "inflight") else JOBS[kind](name)
+            done[job] = JOBS[kind](name, strategy) if kind in ("save", "async", "inflight", "midsave") else JOBS[kind](name)
         results.append({"strategy": strategy, "world_size": run.world_size, "jobs": done})
 write(results)  # only the main process (rank 0) gets here: the others leave at the end of the block

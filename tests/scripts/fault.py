@@ -99,7 +99,7 @@ try:
                 fail()
             lite.save(os.environ["OUT"] + ".ckpt", {"model": model})
         if mode != "skip" or me != rank_to_fail:
-            time.sleep(5)  # a run that survives the fault would idle here, not finish
+            time.sleep(TIMEOUT)  # a run that survives the fault idles here: a miss takes >= TIMEOUT
     outcome["error"] = None
 except BaseException as e:  # noqa: BLE001 - report whatever came out
     caught = time.time()

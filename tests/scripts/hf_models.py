@@ -11,16 +11,40 @@ Strategy "model_parallel": Llama only, with the tensor-parallel plan below, on a
 """
 
 import concurrent.futures
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 import scopedlite as lite
+from scopedlite._io.pretrained import PretrainedWeights
 from _common import write
 from _hf_common import BATCH, EPOCHS, LR, SmallNet, build, compile_data, generate, quiet, tokens
 
 strategy, folder = sys.argv[1], Path(sys.argv[2])
+
+# What lite.load_pretrained reads: the elements of every piece this rank took from the files
+# (a whole tensor, or rows of one), seen where PretrainedWeights reads them.
+read: list[int] = []
+_full, _rows = PretrainedWeights.full, PretrainedWeights.rows
+
+
+def _counted_full(self, name):
+    tensor = _full(self, name)
+    read.append(tensor.numel())
+    return tensor
+
+
+def _counted_rows(self, name, start, stop):
+    if not self.shape(name):
+        return _rows(self, name, start, stop)  # a scalar: read (and counted) by full
+    tensor = _rows(self, name, start, stop)
+    read.append(tensor.numel())
+    return tensor
+
+
+PretrainedWeights.full, PretrainedWeights.rows = _counted_full, _counted_rows
 devices = 1 if strategy == "single" else 2
 KINDS = ("gpt2", "llama")
 
@@ -111,7 +135,10 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
         lite.load(folder / f"{kind}-ckpt", {"model": loaded, "opt": loaded_opt})
         out["load_equal"] = same(plain_state(loaded), final)
         pretrained, _ = empty_model(kind)  # the save_pretrained folder, each rank its part
+        read.clear()
         lite.load_pretrained(pretrained, folder / kind)
+        weights = PretrainedWeights(folder / kind)
+        out["pretrained_read"] = [sum(read), sum(math.prod(weights.shape(n)) for n in weights.names())]
         out["pretrained_equal"] = same(plain_state(pretrained), final)
         out["pretrained_generated"] = generate(pretrained)
         if rank == 0:

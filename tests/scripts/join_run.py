@@ -2,7 +2,8 @@
 
 argv: strategy devices configs   (configs: "n:batch_size:divide,..." with divide 1 for
 divide_by_initial_world_size; several configurations share one launch)
-Rank 0 writes what every rank saw and computed, per configuration.
+Rank 0 writes what every rank saw and computed, per configuration, and after them how many
+rounds of the join protocol ran over an even loader (``rounds_on_even_data``).
 """
 
 import sys
@@ -79,8 +80,39 @@ def run_config(rank, n, batch_size, divide):
     return record
 
 
+def gathers_during(fn) -> int:
+    """How many all-gathers this rank ran during ``fn()`` (torch's profiler sees every c10d op):
+    the join protocol's rounds, each one all-gather of every rank's opener."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("c10d::") and "gather" in e.name)
+
+
+def rounds_on_even_data(world_size):
+    """The protocol's rounds in a join block over a set-up loader while every rank has data,
+    for passes of 2 and of 5 steps: free when even, so as many for 5 steps as for 2."""
+    counts = {}
+    for steps in (2, 5):
+        model = make_model()
+        model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = lite.setup_dataloader(torch.utils.data.DataLoader(make_data(2 * steps * world_size), batch_size=2))
+
+        def block():
+            with lite.join(model):
+                for x, y in loader:
+                    lite.backward(torch.nn.functional.mse_loss(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
+
+        counts[str(steps)] = gathers_during(block)
+    return counts
+
+
 with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
     records = [run_config(run.global_rank, n, b, d == 1) for n, b, d in configs]
+    records.append({"even_rounds": rounds_on_even_data(run.world_size)})  # after the configurations' records
     everyone = from_every_rank(records)
     if run.global_rank == 0:
         write(everyone)

@@ -50,6 +50,12 @@ def flat(model: torch.nn.Module) -> dict[str, list[float]]:
     return {k: v.float().flatten().tolist() for k, v in sorted(full_state(model).items())}
 
 
+def grads(model: torch.nn.Module) -> list[list[float] | None]:
+    """Each parameter's whole gradient (FSDP's gathered), in ``parameters()`` order."""
+    full = [None if p.grad is None else p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    return [None if g is None else g.float().flatten().tolist() for g in full]
+
+
 def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm=None, clip_val=None, reductions=None):
     """``reductions``, if given, receives per step the reducing collectives of the backward
     inside ``no_backward_sync`` and of the one after it."""
@@ -146,6 +152,7 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     try:
         lite.backward(loss_of(model_a, x, y) + loss_of(model_b, x, y))
         result["ambiguous_backward"] = "no error"
+        result["joint_grads"] = [grads(model_a), grads(model_b)]  # each model's own, averaged over the ranks
     except RuntimeError as e:
         result["ambiguous_backward"] = str(e)
     opt_a.zero_grad()

@@ -3,6 +3,8 @@
 argv: strategy devices n batch_size [join]
 """
 
+import json
+import os
 import sys
 
 import torch
@@ -13,7 +15,10 @@ from _common import make_data, make_model, params, write
 strategy, devices, n, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 use_join = len(sys.argv) > 5 and sys.argv[5] == "join"
 
+threads_before = torch.get_num_threads()
 with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
+    # SPEC 4: each of N local processes on C cores gets max(1, C // N) torch threads
+    threads = [lite.broadcast(torch.get_num_threads(), src=r) for r in range(run.world_size)]
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = lite.setup(model, opt)
@@ -38,4 +43,11 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
             "first_param_on_each_rank": gathered.tolist(),
             "ranks": everyone,
             "world_size": run.world_size,
+            "threads": threads,
         })
+if run.is_global_zero:  # this process wrote (under mpirun or srun every rank's process gets here)
+    record = json.load(open(os.environ["OUT"]))
+    record["threads_before"], record["threads_after"] = threads_before, torch.get_num_threads()
+    record["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    record["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    write(record)
