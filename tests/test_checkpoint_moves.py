@@ -51,7 +51,7 @@ from _moves_common import BATCH, make_data, make_net, make_optimizer, sampler  #
 # that need it are left out (_runnable) and the checks on them skip, saying why.
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
-DEEPSPEED_CHECKPOINTS = {"Z", "Z2", "ZB"}  # written by DeepSpeed
+DEEPSPEED_CHECKPOINTS = {"Z", "Z2", "ZB", "Z1", "ZM"}  # written by DeepSpeed
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.deepspeed_op]
 

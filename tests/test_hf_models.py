@@ -108,9 +108,13 @@ def test_gpt2_and_llama_train_generate_save_and_load_as_plain_models(script, tmp
 def _check_each_rank_read_its_part(read, strategy):
     """lite.load_pretrained read on rank 0 about its half of the file's elements under the
     sharding strategies (FSDP's rows; a ZeRO-3 partition, read in whole rows around it), and
-    the whole file, once, where every rank holds every parameter."""
+    the whole file, once, where every rank holds every parameter. Under model_parallel's 2 x 2
+    mesh rank 0 reads whole rows around its slices: less than the file (80032 of 86336
+    elements here), far from the quarter it holds of the tensor-parallel weights."""
     got, total = read
     if strategy in ("fsdp", "deepspeed_stage_3"):
         assert total / 2 <= got < 0.6 * total, f"{strategy}: rank 0 read {got} of the file's {total} elements"
+    elif strategy == "model_parallel":  # whole rows of its slices: less than the file, not a quarter
+        assert got < total, f"{strategy}: read {got} of the file's {total} elements"
     else:
         assert got == total, f"{strategy}: read {got} of the file's {total} elements"
