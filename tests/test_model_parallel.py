@@ -211,6 +211,14 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
             assert_close(mine[f"{kind}_after_step"], out["after_step"], 1e-6, f"{kind}: the next step on another mesh")
             assert sorted(mine[f"{kind}_rest_of_pass"] + taken) == list(range(N_TRAIN))
 
+    # ... and both ways with fsdp: the folder loads into FSDP's shards on 2 ranks, and FSDP's
+    # own folder, saved after one more step there, loads on the 1 x 2 mesh
+    for moved in out["fsdp"]:
+        assert moved["params"] == out["at_save"] and moved["step"] == 4
+        assert_close(moved["after_step"], out["after_step"], 1e-6, "the next step under fsdp")
+    for mine in out["other_mesh"]:
+        assert mine["from_fsdp"]["params"] == out["fsdp"][0]["after_step"] and mine["from_fsdp"]["step"] == 5
+
     # a checkpoint of strategy single resumed on the 2 x 2 mesh: its values, step and
     # AdamW state (the next step equals one process's)
     expected = [p.detach().flatten().tolist() for p in single.parameters()]

@@ -1,6 +1,7 @@
 """2D parallelism on 4 real gloo ranks (data_parallel=2 x tensor_parallel=2) - training,
 evaluation, checkpoints, lite.join over uneven data-parallel shards - then the checkpoints
-loaded on another mesh shape (a second launch block: 1 x 2 on 2 ranks).
+loaded under fsdp (a second launch block, which saves its own folder) and on another mesh
+shape (a third: 1 x 2 on 2 ranks, which loads FSDP's folder too).
 
 The plan is the one written out in docs/strategies.md (executed from there). argv: a folder
 for the checkpoints. Rank 0 writes what the test compares with its one-process reference.
@@ -235,6 +236,19 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
     out["ranks"] = lite.all_gather(torch.zeros(1)).shape[0]
     out["per_rank"] = [lite.broadcast(mine, src=r) for r in range(run.world_size)]
 
+# fsdp on 2 ranks: the model_parallel folder loads into FSDP's shards (values, step, AdamW's
+# next step); FSDP's own folder, saved after that step, loads on the 1 x 2 mesh below
+with lite.launch(strategy="fsdp", devices=2, accelerator="cpu", timeout=90) as run:
+    torch.manual_seed(321)  # other values: what the checkpoint holds must replace them
+    model = make_net()
+    model, opt = lite.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = {"model": model, "opt": opt, "step": 0}
+    lite.load(folder / "sharded", state)
+    moved = {"params": full(model), "step": state["step"]}
+    moved["after_step"] = one_more_step(model, opt, run.global_rank, run.world_size)
+    lite.save(folder / "fsdp", {"model": model, "opt": opt, "step": 5})
+    out["fsdp"] = [lite.broadcast(moved, src=r) for r in range(run.world_size)]
+
 # another mesh shape: 1 x 2 on 2 ranks (a later block forks), one full file per save
 other = lite.ModelParallelStrategy(parallelize, data_parallel=1, state_dict_type="full")
 with lite.launch(strategy=other, devices=2, accelerator="cpu", timeout=90) as run:
@@ -252,6 +266,9 @@ with lite.launch(strategy=other, devices=2, accelerator="cpu", timeout=90) as ru
         mine[f"{kind}_rest_of_pass"] = [row for batch in loader for row in batch[0].tolist()]
         # the optimizer state came too: one more step on both replicas' rows at once
         mine[f"{kind}_after_step"] = one_more_step(model, opt, 0, 1)
+    state = {"model": model, "opt": opt, "step": 0}
+    lite.load(folder / "fsdp", state)  # FSDP's folder, on this mesh
+    mine["from_fsdp"] = {"params": full(model), "step": state["step"]}
     out["other_mesh"] = [lite.broadcast(mine, src=r) for r in range(run.world_size)]
 
 write(out)
