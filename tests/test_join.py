@@ -133,11 +133,17 @@ def test_a_raw_torch_collective_inside_join_is_an_error_naming_it_not_a_hang(scr
     assert "CollectiveTimeoutError" not in result.stderr  # it used to wait for the whole timeout, then fail
 
 
-def test_collectives_of_different_shapes_inside_join_are_refused_on_every_rank_naming_them(script):
-    """Over a set-up loader (every rank has data: no rounds) gloo used to read past the shorter
-    tensor (made-up values) or abort; over a plain loop the refusal showed two identical steps."""
-    result = script("join_refusals", "ragged")
+def test_what_a_joined_rank_cannot_mirror_is_refused_on_every_rank_at_once(script):
+    """One fsdp launch. Collectives of different shapes on the running ranks: over a set-up
+    loader (every rank has data: no rounds) gloo used to read past the shorter tensor (made-up
+    values) or abort; over a plain loop the refusal showed two identical steps. And nanoGPT's
+    torch.nn.utils.clip_grad_norm_ on FSDP's DTensor gradients inside lite.join all-reduced
+    over the ranks that had run out: it hung until SIGINT. Now the first call raises on every
+    rank, naming lite.clip_gradients (launch(timeout=300): a hang would be ended by the test's
+    timeout, not by this error)."""
+    result = script("join_refusals", "unmirrorable")
     assert result.returncode == 0, result.explain()
+    calls = {"clip": "torch.nn.utils.clip_grad_norm_", "total": "torch.nn.utils.get_total_norm", "full": "DTensor.full_tensor()"}
     for rank, out in enumerate(result.json()):
         for name in ("loader_gather", "loader_reduce"):
             kind = name.split("_")[1]
@@ -146,34 +152,15 @@ def test_collectives_of_different_shapes_inside_join_are_refused_on_every_rank_n
             assert f"rank 0: lite.all_{kind}" in error and "float32[2]" in error and "float32[3]" in error
         gathered, reduced = out[f"{rank}:list_gather"], out[f"{rank}:list_reduce"]
         assert "called the same collective with tensors of different shapes" in gathered, gathered
-        assert (
-            "rank 0: lite.all_gather of float32[2] at " in gathered
-            and "rank 1: lite.all_gather of float32[3]" in gathered
-        )
+        assert "rank 0: lite.all_gather of float32[2] at " in gathered and "rank 1: lite.all_gather of float32[3]" in gathered
         assert "rank 1: lite.all_reduce(op='sum') of float32[3]" in reduced and "gather_for_metrics" in reduced
         assert "after the loop" not in gathered  # the unrelated hint is gone
-        assert out["after"] == 2.0
-
-
-def test_torch_norms_and_gathers_of_dtensors_inside_join_are_refused_at_once_not_a_hang(script):
-    """nanoGPT's torch.nn.utils.clip_grad_norm_ on FSDP's DTensor gradients inside lite.join
-    all-reduced over the ranks that had run out: it hung until SIGINT. Now the first call
-    raises on every rank, naming lite.clip_gradients (launch(timeout=300): a hang would be
-    ended by the test's timeout, not by this error)."""
-    result = script("join_refusals", "norms")
-    assert result.returncode == 0, result.explain()
-    calls = {
-        "clip": "torch.nn.utils.clip_grad_norm_",
-        "total": "torch.nn.utils.get_total_norm",
-        "full": "DTensor.full_tensor()",
-    }
-    for rank, out in enumerate(result.json()):
         for name, call in calls.items():
             error = out[f"{rank}:{name}"]
             assert error.startswith(f"RuntimeError: {call} was called inside lite.join (at "), error
             assert "join_refusals.py:" in error
         assert "lite.clip_gradients(model, optimizer, max_norm=...)" in out[f"{rank}:clip"]
-        assert out["after"] > 0  # outside the block torch's own call goes through
+        assert out["after"] > 0  # outside the block torch's own call goes through, in step
 
 
 def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(script):

@@ -1,6 +1,6 @@
 """lite.join refuses what torch's Join cannot survive; broadcast from a joined rank raises.
 
-argv: case   (zero | static_graph | broadcast_from_joined | raw_collective | abort | ragged | norms)
+argv: case   (zero | static_graph | broadcast_from_joined | raw_collective | abort | unmirrorable)
 """
 
 import sys
@@ -13,7 +13,7 @@ from _common import make_model, write
 
 case = sys.argv[1]
 result = {}
-strategy = "fsdp" if case == "norms" else lite.DDPStrategy(static_graph=case == "static_graph")
+strategy = "fsdp" if case == "unmirrorable" else lite.DDPStrategy(static_graph=case == "static_graph")
 with lite.launch(
     strategy=strategy, devices=2, accelerator="cpu", timeout=300
 ) as run:  # a hang: the test's 90 s kill, long before
@@ -23,7 +23,7 @@ with lite.launch(
         opt = lite.setup_optimizers(ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1))
     else:
         model = lite.setup(model)
-    if case == "ragged":  # tensors of another shape on each running rank, inside lite.join
+    if case == "unmirrorable":  # tensors of another shape on each running rank, inside lite.join
         mine = torch.arange(2.0 + run.global_rank)
         loader = lite.setup_dataloader(torch.utils.data.DataLoader(torch.arange(8.0), batch_size=2))
         for name, batches, call in (
@@ -40,7 +40,7 @@ with lite.launch(
             except (ValueError, RuntimeError) as e:
                 result[f"{run.global_rank}:{name}"] = f"{type(e).__name__}: {e}"
         result["after"] = lite.all_reduce(1.0)  # the run goes on, in step
-    if case == "norms":  # DTensor collectives of torch's, called by the user inside lite.join (fsdp)
+    if case == "unmirrorable":  # DTensor collectives of torch's, called by the user inside lite.join (fsdp)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for name, call in (
             ("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),  # as nanoGPT
