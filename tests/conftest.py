@@ -53,6 +53,32 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# The longest files first. The two workers take whole files (pyproject: --dist loadfile), in
+# collection order: a long file begun last runs alone at the end while the other worker idles;
+# begun first, it overlaps the many short files. The rest keep their order.
+LONGEST_FIRST = (
+    "test_join.py",
+    "test_hf_models.py",
+    "test_checkpoint_moves.py",
+    "test_faults.py",
+    "test_launch.py",
+    "test_worlds.py",
+    "test_examples.py",
+    "test_one_script.py",
+    "test_docs.py",
+    "test_existing_group.py",
+    "test_deepspeed.py",
+    "test_cli.py",
+    "test_watchdog.py",
+    "test_xla.py",
+)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: within a file as written
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build DeepSpeed's op before the tests run (no per-test timeout applies to hooks)."""
     if session.config.option.collectonly or not any(
