@@ -35,9 +35,12 @@ STRATEGIES = [
     # Llama with the user's tensor-parallel plan (hf_models.py), 2 replicas x 2 ranks: the data
     # of ddp on 2 ranks, so the same one-process reference
     pytest.param("model_parallel"),
+    # ZeRO-1 and ZeRO-3: the two parameter layouts (whole on every rank, partitioned). ZeRO-2
+    # keeps ZeRO-1's layout and partitions gradients, which test_one_script, test_deepspeed and
+    # test_join's training suite run (dropped here to keep the suite within 10 minutes)
     *(
         pytest.param(f"deepspeed_stage_{stage}", marks=[needs_deepspeed, pytest.mark.deepspeed_op])
-        for stage in (1, 2, 3)
+        for stage in (1, 3)
     ),
 ]
 
