@@ -314,8 +314,14 @@ def _unmirrorable(call: str, caller: Any, fix: str) -> RuntimeError:
 
 
 def _guarded_norm(name: str, original: Any, dtensor: type) -> Any:
+    first = "tensors" if name == "get_total_norm" else "parameters"  # torch's name for it
+
     @functools.wraps(original)
-    def guarded(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not args and first not in kwargs:
+            return original(*args, **kwargs)  # torch says what is missing
+        tensors = args[0] if args else kwargs.pop(first)
+        args = args[1:]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # a generator: once
         caller = _user_caller()
         if caller is not None and any(isinstance(t if name == "get_total_norm" else t.grad, dtensor) for t in tensors):
