@@ -16,7 +16,10 @@ key the step's number, what it is (a training forward, an evaluation forward, a 
 name), how many of our collectives (``lite.barrier()``, ``lite.all_reduce``, ...) it has
 entered, and whether it has reached the end of its launch block. A rank about to gather for
 a method or an evaluation forward (grad disabled or the model in ``eval()``) then reads the
-other ranks' keys until each has reached the same step, or cannot reach it:
+other ranks' keys until each has reached the same step, or cannot reach it. A line keeps its
+rank's last two checked steps: a rank whose forward gathers nothing (ZeRO-3's persistent
+parameters) passes a step with the others and can note its next before a slower rank has
+read the first; the slower one finds the step it waits at one back:
 
 - every rank noted the same thing at that step: they gather together;
 - a rank noted something else there (a training forward, another method), entered a
@@ -50,6 +53,7 @@ _FORWARD = "forward"  # a training forward: written, never checked
 EVALUATION = "an evaluation forward"  # grad disabled or the model in eval(): checked
 _ENDED = "\x00ended"  # what a rank at the end of its launch block does at every later step
 _IN_COLLECTIVE = "\x00collective"  # a rank in a collective of ours the reader has not entered
+_NAMES = "\x1f"  # between the two names of a ledger entry (a method's name may hold ":")
 
 
 class MethodCalledOnSomeRanksError(RuntimeError):
@@ -96,8 +100,12 @@ class GatherLedger:
         generation = (int(store.add("scopedlite/ledger/count", 1)) - 1) // world_size
         self.prefix = f"scopedlite/ledger/{generation}"
         self.step = 0
-        self.method_step = 0
-        self.method_name = ""
+        # This rank's last two checked steps, latest first: (number, what). A reader at step
+        # S finds another rank at a later step S' > S when that rank passed S together with
+        # it and went on, possibly to its next checked step (a forward that gathers nothing,
+        # ZeRO-3's persistent parameters, lets it run ahead); what it did at S is then the
+        # earlier of the two. It cannot have passed a checked step after S without this rank.
+        self.checked: tuple[tuple[int, str], tuple[int, str]] = ((0, ""), (0, ""))
         self.collectives = 0  # collectives of ours entered
         self.ended = False  # the end of the launch block reached
         self.epoch = 0  # lite.join blocks left: each starts the counts again, on every rank
@@ -159,8 +167,8 @@ class GatherLedger:
         rank's rounds are not the running rank's collectives): all counts start again here,
         in a new epoch that only entries of the same epoch are compared in."""
         self.epoch += 1
-        self.step = self.method_step = self.collectives = 0
-        self.method_name = ""
+        self.step = self.collectives = 0
+        self.checked = ((0, ""), (0, ""))
         self._write()
 
     def leave_block(self) -> None:
@@ -174,15 +182,15 @@ class GatherLedger:
         Returns ``(None, seen)`` when all ranks do ``what`` there, else ``(callers, seen)``,
         with this rank's step taken back (nothing was gathered: it is still in step with the
         others and may go on, e.g. to the forward they went on to, if it catches the error)."""
-        before = self.step, self.method_step, self.method_name
+        before = self.step, self.checked
         self.step += 1
-        self.method_step, self.method_name = self.step, what
+        self.checked = ((self.step, what), self.checked[0])
         self._write()
         seen = self._wait_for_step()
         callers = sorted(r for r, done in seen.items() if done == what)
         if len(callers) == self.world_size:
             return None, seen
-        self.step, self.method_step, self.method_name = before
+        self.step, self.checked = before
         self._write()
         return callers, seen
 
@@ -201,7 +209,11 @@ class GatherLedger:
                 f"The {self.strategy} run this model was set up in has ended: its parameters can no "
                 "longer be gathered. Use the model inside its `with lite.launch(...)` block."
             )
-        entry = f"{self.epoch}:{self.step}:{self.method_step}:{self.collectives}:{int(self.ended)}:{self.method_name}"
+        (latest, latest_name), (earlier, earlier_name) = self.checked
+        entry = (
+            f"{self.epoch}:{self.step}:{self.collectives}:{int(self.ended)}:{latest}:{earlier}:"
+            f"{latest_name}{_NAMES}{earlier_name}"
+        )
         self.store.set(self._key(self.rank), entry)
 
     def _key(self, rank: int) -> str:
@@ -210,7 +222,8 @@ class GatherLedger:
     def _wait_for_step(self) -> dict[int, str]:
         """What each rank does at this rank's current step: a method's name, "forward", or
         that it cannot get there (it waits in a collective of ours, or its block ended)."""
-        seen = {self.rank: self.method_name}
+        what = self.checked[0][1]
+        seen = {self.rank: what}
         pending = [r for r in range(self.world_size) if r != self.rank]
         pause = 0.0005
         deadline = time.monotonic() + self.timeout
@@ -222,20 +235,8 @@ class GatherLedger:
             for r, value in zip(pending, values):
                 entry = _Entry.parse(value)
                 same = entry.epoch == self.epoch  # counts of another epoch do not compare
-                if (
-                    same
-                    and entry.step > self.step
-                    and entry.method_step == entry.step
-                    and entry.name == self.method_name
-                ):
-                    # In the same call as this rank, at a later number: no rank passes a checked
-                    # step alone, so the counts drifted (a forward one rank counted and another
-                    # did not): both take the later number.
-                    self.step = self.method_step = entry.step
-                    self._write()
-                    seen[r] = entry.name
-                elif same and entry.step >= self.step:  # its entry for this step: its latest method, or a forward
-                    seen[r] = entry.name if entry.method_step == self.step else _FORWARD
+                if same and entry.step >= self.step:  # it reached this step: what it did there
+                    seen[r] = entry.at(self.step)
                 elif entry.ended:
                     seen[r] = _ENDED
                 elif same and entry.collectives > self.collectives:  # where this rank has not been
@@ -245,7 +246,7 @@ class GatherLedger:
             pending = waiting
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"{self.method_name} waited {self.timeout:.0f} s (launch(timeout=)) for rank(s) "
+                    f"{what} waited {self.timeout:.0f} s (launch(timeout=)) for rank(s) "
                     f"{pending} to reach it under strategy={self.strategy!r}; they never ran the "
                     "model's forward or method again (a raw torch.distributed call, or work "
                     "that never ended)."
@@ -297,17 +298,33 @@ class _Entry:
 
     epoch: int = 0
     step: int = 0
-    method_step: int = 0
     collectives: int = 0
     ended: bool = False
-    name: str = ""
+    checked: tuple[tuple[int, str], tuple[int, str]] = ((0, ""), (0, ""))
 
     @classmethod
     def parse(cls, value: bytes) -> _Entry:
         if not value:
             return cls()
-        epoch, step, method_step, collectives, ended, name = value.decode().split(":", 5)
-        return cls(int(epoch), int(step), int(method_step), int(collectives), ended == "1", name)
+        epoch, step, collectives, ended, latest, earlier, names = value.decode().split(":", 6)
+        latest_name, earlier_name = names.split(_NAMES)
+        return cls(
+            int(epoch),
+            int(step),
+            int(collectives),
+            ended == "1",
+            ((int(latest), latest_name), (int(earlier), earlier_name)),
+        )
+
+    def at(self, step: int) -> str:
+        """What this rank did at ``step`` (not after its own current step): the checked call
+        it made there, or a training forward."""
+        for number, name in self.checked:
+            if number == step:
+                return name
+            if number < step:
+                break
+        return _FORWARD
 
 
 def _others(seen: dict[int, str], what: str) -> str:
