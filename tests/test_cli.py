@@ -104,6 +104,9 @@ def test_a_scopedlite_script_joins_the_world_instead_of_spawning(run_python):
     out = result.json()
     assert out["source"] == "torchelastic" and out["world_size"] == 2 and out["sum"] == 3
     assert [r["children"] for r in out["ranks"]] == [0, 0]  # launch started nobody
+    # At its exit the process lets go of its run's gloo groups while Python still runs (their
+    # worker threads end here): freed by the interpreter's teardown, a worker aborted at times.
+    assert out["threads_let_go"] > 0
 
 
 @pytest.mark.timeout(90)

@@ -10,6 +10,7 @@ receiving ranks in torch 2.13.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -249,15 +250,31 @@ def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[
 # group's destructor would wait on the gloo threads of the parent, which a child does not have:
 # the worker hangs (a notebook cell that assigns `model` again in a second launch block). Held
 # here, no forked copy is ever the last owner. Each costs the parent a few idle threads. Not for
-# NCCL: a run on it used CUDA, after which launch refuses to fork.
-_RETIRED_GROUPS: list[Any] = []
+# NCCL: a run on it used CUDA, after which launch refuses to fork. Each is held with the pid of
+# the process that retired it, and let go by that process at its exit (``_let_go_at_exit``).
+_RETIRED_GROUPS: list[tuple[int, Any]] = []
 
 
 def retire_groups() -> None:
     """Hold this run's groups for the life of the process (see ``_RETIRED_GROUPS``); call it
     before the default group is destroyed, by us or by a library (DeepSpeed)."""
     if dist.is_initialized() and "nccl" not in str(dist.get_backend()):  # NCCL: fork is refused
-        _RETIRED_GROUPS.extend(live_process_groups())
+        _RETIRED_GROUPS.extend((os.getpid(), group) for group in live_process_groups())
+
+
+@atexit.register
+def _let_go_at_exit() -> None:
+    """Free the groups this process retired while the interpreter still runs.
+
+    Held until the interpreter's own teardown, a gloo group was freed there: its worker
+    threads free tensors Python also saw, which takes the GIL of an interpreter that is
+    finalizing, and the process died with ``terminate called without an active exception``
+    (SIGABRT) after its block had ended well (seen intermittently under torchrun, torch 2.13).
+    A forked worker keeps the groups it inherited (freeing them would wait on its parent's
+    threads) and lets go of its own.
+    """
+    pid = os.getpid()
+    _RETIRED_GROUPS[:] = [(owner, group) for owner, group in _RETIRED_GROUPS if owner != pid]
 
 
 def destroy_process_group() -> None:
