@@ -43,9 +43,12 @@ def test_join_uneven(script, strategy, world, configs):
 
 def _check_free_when_even(rounds, world):
     """Over a set-up loader on even data, one round (an all-gather of openers) when the pass
-    begins and none per step: 5 steps cost what 2 do (one device: no round at all)."""
+    begins and none per step: 5 steps cost what 2 do. Over a plain list, one round per step
+    (at its forward: none at its backward) and one at the end: 3 steps more cost 3 rounds
+    more. One device: no round at all."""
+    expected = {"2": 1, "5": 1, "list2": 3, "list5": 6} if world > 1 else dict.fromkeys(("2", "5", "list2", "list5"), 0)
     for rank, counts in enumerate(rounds):
-        assert counts == ({"2": 1, "5": 1} if world > 1 else {"2": 0, "5": 0}), f"rank {rank}: all-gathers {counts}"
+        assert counts == expected, f"rank {rank}: all-gathers {counts}"
 
 
 def _check_join_run(ranks, world, n, batch, divide):

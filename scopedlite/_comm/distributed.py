@@ -37,6 +37,7 @@ __all__ = [
     "barrier",
     "broadcast_any",
     "gather_into",
+    "gather_into_later",
     "init_process_group",
     "retire_groups",
     "run_store",
@@ -338,9 +339,20 @@ def gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -
     """Every rank's ``tensor`` into ``output``, concatenated in rank order: torch's
     ``all_gather_single`` (2.13; it deprecates ``all_gather_into_tensor`` with a warning on
     every call), ``all_gather_into_tensor`` on older torch."""
+    gather_into_later(output, tensor, group)()
+
+
+def gather_into_later(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Callable[[], None]:
+    """Start :func:`gather_into` without waiting for it; the function returned waits for it
+    (and must be called: until then gloo's thread holds both tensors)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
-    keep(output, tensor)
+    work = gather(output, tensor, group=group, async_op=True)
+
+    def wait() -> None:
+        work.wait()
+        keep(output, tensor)  # freed here, not by gloo's thread (payloads.py)
+
+    return wait
 
 
 def final_gloo_barrier() -> bool:

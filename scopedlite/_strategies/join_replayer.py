@@ -23,6 +23,9 @@ class Replayer(Protocol):
     """What a backend supplies to the session: its hooks and its replays."""
 
     records_steps: bool  # optimizer.step/zero_grad are local events (DDP, FSDP), not rounds (DeepSpeed)
+    # A forward gathers parameters from every rank (FSDP, ZeRO-3): its round is awaited before
+    # it, so that a refusal raises on every rank instead of leaving one in the gather.
+    forward_communicates: bool
 
     def install(self, session: ReplaySession) -> contextlib.ExitStack:
         """Hook the models so that running ranks announce forwards (and steps); undone on close."""

@@ -29,6 +29,18 @@ batches (one round); if they are known, no round is opened until the shortest ra
 to run out (never, when all are equal). Loaders of unknown length, loops over anything else,
 and what comes after the first rank ran out use the rounds.
 
+**Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
+the next batch. So when a round finds every rank at the same forward, each of them runs that
+forward's backward too and none serves it: the backward opens no round then (one round per
+step on a plain loop; a collective step - DeepSpeed's - and lite.clip_gradients keep theirs).
+A rank that leaves the block by an exception before that backward runs it itself, with zero
+gradients, before it tells the others in its ABORT round, so that their backward's gradient
+collectives meet its own and they learn of it at their next round. Where the
+forward gathers nothing (DDP, ZeRO-1/2) and every rank already holds an input of that model,
+its round is opened without waiting and read before the backward, so the ranks' skew is
+waited out behind the forward's compute. The first round that finds a rank left, waiting or
+serving makes every rank announce everything again (they all read the same rounds).
+
 **Replicas.** Under ``model_parallel`` the tensor-parallel ranks of a data-parallel replica
 read the same batches: they run, wait and leave together (each round checks it), replay
 together (their tensor-parallel collectives pair among themselves), and the running count
@@ -51,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.distributed import broadcast_any, gather_into
+from scopedlite._comm.distributed import broadcast_any, gather_into, gather_into_later
 from scopedlite._comm.replicas import reduce_rows
 from scopedlite._comm.wire import wire_dtype
 from scopedlite._core.structures import map_tensors
@@ -171,6 +183,10 @@ class ReplaySession:
         self.own_unsynced = [False] * len(models)  # this rank's last own backward skipped the sync
         self._recording_started = False
         self.passes: set[PassCursor] = set()  # passes of set-up loaders under way on this rank
+        self.lean = True  # the last round found every rank at the same step: see the module docstring
+        self._posted: tuple[Any, torch.Tensor] | None = None  # (wait, rows): a forward's round not read yet
+        self._everyone_has_input: set[int] = set()  # models every rank ran a forward of in this block
+        self._unanswered: dict[int, list[torch.Tensor]] = {}  # model -> outputs of its forward awaiting a backward
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
@@ -203,6 +219,8 @@ class ReplaySession:
             ):
                 self._abort_round()
         finally:
+            self._drop_posted()
+            self._unanswered.clear()
             self.inputs.clear()
             self.outputs.clear()
             self._stack.close()
@@ -247,22 +265,73 @@ class ReplaySession:
         all of them in step.
         """
         try:
+            self._settle()
+        except Exception:  # noqa: BLE001 - refused or aborted on every rank in that round: no ABORT needed
+            return
+        if self.lean:
+            self._answer_backwards()
+        try:
             self._exchange(Opener(Kind.ABORT))
         except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
             pass
 
+    def _answer_backwards(self) -> None:
+        """This rank leaves the block by an exception after a forward whose backward it has not
+        run, while every rank runs: the others run that backward without a round, so it takes
+        part in its gradient collectives (zero gradients) before its ABORT round."""
+        self.serving = True  # its own hooks stay quiet, as on a rank that replays
+        try:
+            for index, outputs in self._unanswered.items():
+                sync = self.replayer.sync_flag(index)
+                self.replayer.backward(index, outputs, sync, sync and self.own_unsynced[index])
+        finally:
+            self.serving = False
+            self._unanswered.clear()
+
     # -- rounds --------------------------------------------------------------------------------------
     def _exchange(self, opener: Opener) -> Round:
+        self._settle()  # rounds are read in order
         self.strategy.note_collective()  # a rank evaluating alone under FSDP learns we are here
         row = torch.tensor(opener.encode(), dtype=torch.float64)
         rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
         gather_into(rows, row, group=self.group)
         return Round(rows.view(self.world_size, LENGTH).tolist())
 
+    def _post(self, opener: Opener) -> None:
+        """Open a round without waiting for it; :meth:`_settle` reads it."""
+        self._settle()
+        self.strategy.note_collective()
+        row = torch.tensor(opener.encode(), dtype=torch.float64)
+        rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
+        self._posted = (gather_into_later(rows, row, group=self.group), rows)
+
+    def _settle(self) -> None:
+        """Wait for the round a forward opened without waiting, and read it as any round.
+
+        Only a running rank's forward opens one, so this rank is one of the runners there
+        (a rank past the others at a forward is refused by the round itself).
+        """
+        if self._posted is None:
+            return
+        wait, rows = self._posted
+        self._posted = None
+        wait()
+        self._read(Round(rows.view(self.world_size, LENGTH).tolist()))
+
+    def _drop_posted(self) -> None:
+        """The block ends by an exception with a round still open: wait for it, unread."""
+        if self._posted is not None:
+            wait, _ = self._posted
+            self._posted = None
+            with contextlib.suppress(Exception):  # the block's own exception is the one to report
+                wait()
+
     def _round(self, opener: Opener) -> Round:
         """One round: every rank's opener, checked; on a serving rank, the events of the
         ranks that ran since the last round applied."""
-        round_ = self._exchange(opener)
+        return self._read(self._exchange(opener))
+
+    def _read(self, round_: Round) -> Round:
         if round_.aborted:
             raise PeerLeftJoinError(PEER_LEFT)
         problem = round_.disagreement() if not round_.over else None
@@ -272,6 +341,9 @@ class ReplaySession:
         if round_.over:
             return round_
         self._set_count(len({self.replicas[r] for r in round_.runners}))
+        self.lean = len(round_.runners) == self.world_size
+        if self.lean and round_.step.kind == Kind.FORWARD:
+            self._everyone_has_input.add(round_.step.index)
         if not self._recording_started and round_.step.kind != Kind.PASS:
             self._recording_started = True  # a rank may serve from here: record (once per block)
             self.events.start()
@@ -361,13 +433,31 @@ class ReplaySession:
         source = self.world_size - 1
         if self.rounds:
             flag = int(torch.is_grad_enabled()) | int(self.replayer.sync_flag(index)) << 1 | int(buffers) << 2
-            round_ = self._announce(Opener(Kind.FORWARD, index=index, flag=flag))
-            source = max(round_.runners)
-            if any(o.needs >> index & 1 for o in round_.openers):
-                self._exchange_example(index, (args, kwargs), min(round_.runners))
+            opener = Opener(Kind.FORWARD, index=index, flag=flag)
+            self._settle()
+            if self._may_post(index, buffers):
+                self._post(opener.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
+            else:
+                round_ = self._announce(opener)
+                source = max(round_.runners)
+                if any(o.needs >> index & 1 for o in round_.openers):
+                    self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
         if buffers:
             self.replayer.sync_buffers(index, source)
+
+    def _may_post(self, index: int, buffers: bool) -> bool:
+        """Whether the round of this forward may be read after it: every rank ran the last
+        step (lean), the forward exchanges nothing whose source the round decides (buffers),
+        gathers nothing a refusal would leave a rank waiting in, and no rank can need an
+        input of this model (each ran one already)."""
+        return (
+            self.lean
+            and not buffers
+            and not self.replayer.forward_communicates
+            and index in self._everyone_has_input
+            and len(self.events.pending) <= MAX_EVENTS
+        )
 
     def after_forward(self, index: int, output: Any) -> Any:
         """Wrap the outputs that need a gradient in the announcing identity."""
@@ -384,6 +474,8 @@ class ReplaySession:
             )
         wrapped = iter(_Announce.apply(self, index, self.forwards, *tensors))
         result = map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
+        if not self.serving and self.rounds:
+            self._unanswered[index] = [t for t in _leaves(result) if t.requires_grad]
         if self.serving:
             # Kept until the backward of this forward is announced; a few forwards may come
             # before one backward, none is kept for ever.
@@ -407,7 +499,9 @@ class ReplaySession:
             )
         sync = self.replayer.sync_flag(index)
         self.own_unsynced[index] = not sync
-        if self.rounds:
+        self._unanswered.pop(index, None)
+        self._settle()
+        if self.rounds and not self.lean:
             self._announce(Opener(Kind.BACKWARD, index=index, flag=int(sync), mask=mask, seq=seq))
         return self.replayer.output_scale(self.count)
 

@@ -91,22 +91,25 @@ def gathers_during(fn) -> int:
 
 
 def rounds_on_even_data(world_size):
-    """The protocol's rounds in a join block over a set-up loader while every rank has data,
-    for passes of 2 and of 5 steps: free when even, so as many for 5 steps as for 2."""
+    """The protocol's rounds in a join block while every rank has data, for 2 and for 5 steps:
+    over a set-up loader (free when even, so as many for 5 steps as for 2) and over a plain
+    list of the same batches ("list2", "list5": the rounds of a loop whose length nobody knows)."""
     counts = {}
     for steps in (2, 5):
         model = make_model()
         model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         loader = lite.setup_dataloader(torch.utils.data.DataLoader(make_data(2 * steps * world_size), batch_size=2))
+        listed = list(loader)
 
-        def block():
+        def block(batches):
             with lite.join(model):
-                for x, y in loader:
+                for x, y in batches:
                     lite.backward(torch.nn.functional.mse_loss(model(x), y))
                     opt.step()
                     opt.zero_grad()
 
-        counts[str(steps)] = gathers_during(block)
+        counts[str(steps)] = gathers_during(lambda: block(loader))
+        counts[f"list{steps}"] = gathers_during(lambda: block(listed))
     return counts
 
 

@@ -46,6 +46,7 @@ class DDPReplay:
     """Hooks and replays of DDP models for :class:`~scopedlite._strategies.replay.ReplaySession`."""
 
     records_steps = True
+    forward_communicates = False  # but for DDP's buffer broadcast, whose forwards await their round
 
     def __init__(
         self,

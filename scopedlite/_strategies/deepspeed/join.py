@@ -45,6 +45,7 @@ class DeepSpeedReplay:
     def __init__(
         self, strategy: DeepSpeedStrategy, engines: tuple[Any, ...], divide_by_initial_world_size: bool, world_size: int
     ) -> None:
+        self.forward_communicates = strategy.stage == 3  # ZeRO-3 gathers its parameters
         self.strategy = strategy
         self.engines = engines
         self.divide = divide_by_initial_world_size

@@ -44,6 +44,7 @@ class FSDPReplay:
     """Hooks and replays of FSDP2 roots for :class:`~scopedlite._strategies.replay.ReplaySession`."""
 
     records_steps = True
+    forward_communicates = True
 
     def __init__(
         self,
