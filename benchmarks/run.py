@@ -236,6 +236,7 @@ def _short(row: Measurement) -> str:
         "crash_sigkill": "crash: SIGKILL",
         "crash_busy": "crash: raise,\nrank 0 busy",
         "join_even": "join even\nper step",
+        "join_list": "join plain list\nper step",
         "join_uneven_vs_padded": "join uneven\nvs padded",
         "join_uneven_vs_torch_join": "join uneven\nvs torch Join",
         "launch_script": "launch: script\nvs torchrun",
