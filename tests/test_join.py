@@ -174,6 +174,12 @@ def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(scri
     assert rank1["1"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception")
     # the abort round kept the ranks in step: the next collective is a collective again
     assert rank0["after"] == rank1["after"] == 40.0
+    # While both run, the backward opens no round: rank 1, failing before its backward, runs it
+    # (zero gradients) so rank 0's gradient all-reduce meets it; rank 0 raises at its next round.
+    for where, message in (("before_backward", "before its backward"), ("after_backward", "after its backward")):
+        assert rank1[where]["error"] == f"KeyError: 'rank 1 fails {message}'", rank1[where]
+        assert rank0[where]["error"].startswith("PeerLeftJoinError: Another rank left lite.join"), rank0[where]
+        assert rank0[where]["after"] == rank1[where]["after"] == 3.0  # 1 + 2: still a pair
 
 
 # -- refusals under the sharded strategies -------------------------------------------------------

@@ -83,6 +83,27 @@ with lite.launch(
         result[run.global_rank] = f"{type(e).__name__}: {e}"
     if case == "abort":
         result["after"] = lite.all_reduce(20.0)
+        # Both ranks run (no rank serves: lean rounds, no round at the backward); rank 1 fails
+        # in its second step, before or after its backward.
+        lean = make_model()
+        lean, lean_opt = lite.setup(lean, torch.optim.SGD(lean.parameters(), lr=0.1))
+        for where in ("before_backward", "after_backward"):
+            try:
+                with lite.join(lean):
+                    for step in range(3):
+                        loss = lean(torch.randn(4, 4)).sum()
+                        if run.global_rank == 1 and step == 1 and where == "before_backward":
+                            raise KeyError("rank 1 fails before its backward")
+                        lite.backward(loss)
+                        if run.global_rank == 1 and step == 1 and where == "after_backward":
+                            raise KeyError("rank 1 fails after its backward")
+                        lean_opt.step()
+                        lean_opt.zero_grad()
+                outcome = "no error"
+            except (KeyError, RuntimeError) as e:
+                outcome = f"{type(e).__name__}: {e}"
+            lean_opt.zero_grad()
+            result[where] = {"error": outcome, "after": lite.all_reduce(float(run.global_rank + 1))}
     everyone = [lite.broadcast(result, src=r) for r in range(run.world_size)]
     if run.is_global_zero:
         write(everyone)
