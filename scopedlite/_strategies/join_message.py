@@ -18,7 +18,22 @@ import torch
 from scopedlite._comm.wire import DTYPES, MAX_DIMS
 from scopedlite._strategies.base import REDUCE_OPS
 
-__all__ = ["Action", "Event", "Header", "Kind", "Opener", "Round", "LENGTH", "MAX_EVENTS"]
+__all__ = [
+    "Action",
+    "BARRIER",
+    "BROADCAST",
+    "Event",
+    "GATHER",
+    "Header",
+    "Kind",
+    "Opener",
+    "REDUCE",
+    "Round",
+    "LENGTH",
+    "MAX_EVENTS",
+]
+
+REDUCE, GATHER, BROADCAST, BARRIER = 1, 2, 3, 4  # which of our collectives a Header describes
 
 
 class Kind(IntEnum):
@@ -64,7 +79,7 @@ class Event:
 class Header:
     """What one of our collectives carries: enough for a serving rank to take part."""
 
-    collective: int = 0  # join_session.REDUCE, GATHER, BROADCAST or BARRIER
+    collective: int = 0  # REDUCE, GATHER, BROADCAST or BARRIER
     op: int = 0  # index into join_session.OPS
     dtype: int = 0  # index into wire.DTYPES
     shape: tuple[int, ...] = ()
@@ -78,19 +93,18 @@ class Header:
     def describe(self) -> str:
         """``lite.all_gather of float32[3]``: the call, as a refusal shows it."""
         name = _COLLECTIVE_NAMES.get(self.collective, "a lite collective")
-        if self.collective in (_REDUCE, _GATHER):
-            op = f"(op={REDUCE_OPS[self.op]!r})" if self.collective == _REDUCE else ""
+        if self.collective in (REDUCE, GATHER):
+            op = f"(op={REDUCE_OPS[self.op]!r})" if self.collective == REDUCE else ""
             dtype = str(self.torch_dtype).removeprefix("torch.")
             return f"{name}{op} of {dtype}[{', '.join(map(str, self.shape))}]"
-        return f"{name}(src={self.src})" if self.collective == _BROADCAST else name
+        return f"{name}(src={self.src})" if self.collective == BROADCAST else name
 
 
-_REDUCE, _GATHER, _BROADCAST = 1, 2, 3  # join_session's codes; a broadcast: only its source must agree
 _COLLECTIVE_NAMES = {
-    _REDUCE: "lite.all_reduce",
-    _GATHER: "lite.all_gather",
-    _BROADCAST: "lite.broadcast",
-    4: "lite.barrier",
+    REDUCE: "lite.all_reduce",
+    GATHER: "lite.all_gather",
+    BROADCAST: "lite.broadcast",
+    BARRIER: "lite.barrier",
 }
 MAX_EVENTS = 6  # events carried by one opener; more open rounds of their own
 _FIXED = 13  # kind ... length (10 integers), then the 3 values
@@ -178,7 +192,7 @@ class Opener:
         if self.kind != Kind.COLLECTIVE:
             return ()
         h = self.header
-        return (h.collective, h.src) if h.collective == _BROADCAST else (h.collective, h.op, h.dtype, h.shape)
+        return (h.collective, h.src) if h.collective == BROADCAST else (h.collective, h.op, h.dtype, h.shape)
 
     def with_events(self, events: tuple[Event, ...], reports: bool, ended: int, needs: int = 0) -> Opener:
         return dataclasses.replace(self, events=events, reports=reports, ended=ended, needs=needs)
@@ -245,9 +259,7 @@ class Round:
         openers = [self.openers[r] for r in self.runners]
         calls = {(o.kind, o.site, o.header.collective, o.header.op) for o in openers}
         return (
-            len(calls) == 1
-            and openers[0].kind == Kind.COLLECTIVE
-            and openers[0].header.collective in (_REDUCE, _GATHER)
+            len(calls) == 1 and openers[0].kind == Kind.COLLECTIVE and openers[0].header.collective in (REDUCE, GATHER)
         )
 
     def disagreement(self) -> str | None:

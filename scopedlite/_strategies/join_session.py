@@ -40,16 +40,12 @@ from scopedlite._comm.wire import (
     wire_dtype,
 )
 from scopedlite._strategies.base import REDUCE_OPS
-from scopedlite._strategies.join_message import Header
+from scopedlite._strategies.join_message import BARRIER, BROADCAST, GATHER, REDUCE, Header
 
 if TYPE_CHECKING:
     from scopedlite._strategies.join_message import Round
 
 __all__ = [
-    "BARRIER",
-    "BROADCAST",
-    "GATHER",
-    "REDUCE",
     "JoinCollectives",
     "NoJoin",
     "PEER_LEFT",
@@ -58,7 +54,6 @@ __all__ = [
     "refuse_raw_collectives",
 ]
 
-REDUCE, GATHER, BROADCAST, BARRIER = 1, 2, 3, 4
 _TENSOR, _BYTES = 1, 2
 
 PEER_LEFT = (
