@@ -395,10 +395,10 @@ class ReplaySession:
 
     def shares_every_step(self) -> bool:
         """Whether code that shares per-rank counts at intervals (``lite.throughput``) must
-        share them at every step from here: the rounds run, so a rank may run out of data
-        before the next interval, and what it counted would be left out: the rounds run, or
-        the batch in hand may be the shortest rank's last. False while every rank has data
-        for more; the same answer on every running rank."""
+        share them at every step from here, because a rank may run out of data before the
+        next interval and what it counted would be left out: the rounds run, or the batch in
+        hand may be the shortest rank's last. False while every rank has data for more; the
+        same answer on every running rank."""
         return self.rounds or any(cursor.before_switch() for cursor in self.passes)
 
     def loader_pass(self, length: int | None) -> PassCursor:
