@@ -21,12 +21,10 @@ is judged on the plain import, cached; the other rows are for information.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
-from common import PYTHON, REPO_ROOT, Measurement, bench_env, failed, log, median, run_child, safe_ratio
+from common import PYTHON, Measurement, copy_package, bench_env, failed, log, median, run_child, safe_ratio
 
 GOAL_MS = 30.0
 TORCH_ONLY = "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); print(json.dumps({'torch_s': t1 - t0}))"
@@ -47,12 +45,6 @@ METHOD = (
     "fresh interpreters: perf_counter around {what} after `import torch`, median of {n}; baseline "
     "= perf_counter around `import torch` alone (process wall in brackets); ratio = (torch + scopedlite) / torch"
 )
-
-
-def _copy_package(dest: Path, compiled: bool) -> None:
-    shutil.copytree(REPO_ROOT / "scopedlite", dest / "scopedlite", ignore=shutil.ignore_patterns("__pycache__"))
-    if compiled:
-        subprocess.run([PYTHON, "-m", "compileall", "-q", str(dest / "scopedlite")], check=True)
 
 
 def _run_import(code: str, env: dict[str, str], cwd: Path, expect_under: Path | None) -> tuple[dict[str, float], float]:
@@ -96,8 +88,8 @@ def measure(quick: bool) -> list[Measurement]:
     runs = 4 if quick else 7
     with tempfile.TemporaryDirectory(prefix="scopedlite-import-") as tmp:
         cached_dir, uncached_dir = Path(tmp) / "cached", Path(tmp) / "uncached"
-        _copy_package(cached_dir, compiled=True)
-        _copy_package(uncached_dir, compiled=False)
+        copy_package(cached_dir, compiled=True)
+        copy_package(uncached_dir, compiled=False)
         envs = {
             "cached": bench_env(PYTHONPATH=str(cached_dir)),
             "uncached": bench_env(PYTHONPATH=str(uncached_dir), PYTHONDONTWRITEBYTECODE="1"),

@@ -11,6 +11,11 @@ to the moment the *last* process that has to pass it did (rank 0 alone for its o
 and store, every rank for the group, the barrier and the step): the first moment the run as
 a whole is there. Median over repeats that alternate between the three ways; the ratios are
 against torchrun's median for the same phase.
+
+scopedlite is imported from a compiled copy on ``PYTHONPATH`` (``.pyc`` written, as ``pip
+install`` leaves it; ``common.installed_env``), as in ``import_time.py``: with ``PYTHONDONTWRITEBYTECODE=1`` (this
+environment) the source tree would be compiled again in every process at every start, which
+torch, installed and compiled, never is.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    bench_env,
+    installed_env,
     failed,
     free_port,
     log,
@@ -57,7 +62,7 @@ GOALS = {("script", "first_line"): 0.75, ("fork", "first_line"): 0.5, ("script",
 METHOD = (
     "2 CPU procs, gloo, OMP_NUM_THREADS=1; the same short DDP program (Linear(8, 8), one barrier, one step); "
     "time.time() stamps written by every process at each phase, from the driver's time.time() before spawn "
-    "to the last process that has to pass it; median of {n}, the three ways alternating"
+    "to the last process that has to pass it; scopedlite from a compiled copy (.pyc, as installed); median of {n}, the three ways alternating"
 )
 
 
@@ -108,7 +113,7 @@ def _run(mode: str) -> dict[str, float]:
     if mode == "torchrun":
         cmd += ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "torchrun", str(out)]
     started = time.time()
-    result = run_child(cmd, bench_env(), timeout=120)
+    result = run_child(cmd, installed_env(), timeout=120)
     ended = time.time()
     processes = _read_stamps(out)
     if not result.ok:
