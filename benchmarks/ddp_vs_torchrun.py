@@ -19,7 +19,7 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    bench_env,
+    installed_env,
     failed,
     free_port,
     log,
@@ -67,7 +67,7 @@ class Variant:
 
     def run_once(self) -> None:
         out = temp_path()
-        result = run_child(self.command(str(out)), bench_env())
+        result = run_child(self.command(str(out)), installed_env())
         if not result.ok or not out.exists():
             self.errors.append(result.describe())
             log(f"  {self.name}: FAILED ({result.describe().splitlines()[0]})")

@@ -18,7 +18,7 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    bench_env,
+    installed_env,
     failed,
     free_port,
     log,
@@ -49,7 +49,7 @@ def _run(mode: str) -> tuple[list[float] | None, str]:
                 "--master-port", str(free_port())]
     cmd += [str(SCRIPTS_DIR / "launch_first_line.py"), mode, str(out)]
     started = time.time()
-    result = run_child(cmd, bench_env(), timeout=90)
+    result = run_child(cmd, installed_env(), timeout=90)
     stamps = [out.with_name(f"{out.name}.{rank}") for rank in range(2)]
     try:
         if not result.ok or not all(p.exists() for p in stamps):

@@ -36,6 +36,7 @@ MODULES: dict[str, str] = {
     "crash_latency": "crash-to-error latency",
     "join_overhead": "lite.join overhead, even and uneven data",
     "launch_latency": "launch latency: script and fork launchers vs torchrun",
+    "launch_timeline": "launch timeline: each phase of a short DDP run's start, both launchers vs torchrun",
     "sharded_memory": "sharded_init memory per rank: ddp vs fsdp vs deepspeed_stage_3",
     "collective_checks": "per-call cost of the shape check in lite.all_reduce / all_gather",
     "checkpoint_paths": "the same-path check of lite.save / lite.load: per call",
@@ -187,7 +188,13 @@ def write_plot(path: Path, rows: list[Measurement]) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not importable: results.png skipped (pip install matplotlib to get it)"
-    ratios = [r for r in rows if r.ratio is not None and not r.key.startswith("import")]
+    # Of the launch timeline only the phases with a goal: the others are in the table.
+    timeline_shown = ("launch_timeline_first_line", "launch_timeline_exit")
+    ratios = [
+        r for r in rows
+        if r.ratio is not None and not r.key.startswith("import")
+        and (not r.key.startswith("launch_timeline") or r.key in timeline_shown)
+    ]
     budgets = [r for r in rows if r.goal_fraction is not None]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [max(1, len(ratios)), max(1, len(budgets))]})
     left, right = axes
@@ -241,6 +248,8 @@ def _short(row: Measurement) -> str:
         "join_uneven_vs_torch_join": "join uneven\nvs torch Join",
         "launch_script": "launch: script\nvs torchrun",
         "launch_fork": "launch: fork\nvs torchrun",
+        "launch_timeline_first_line": "timeline: script\nfirst line",
+        "launch_timeline_exit": "timeline: script\nwhole run",
         "sharded_memory_ddp": "params/rank\nddp",
         "sharded_memory_fsdp": "params/rank\nfsdp",
         "sharded_memory_deepspeed_stage_3": "params/rank\nZeRO-3",

@@ -265,9 +265,9 @@ def _agrees(name: str, value: Any, given: Any) -> bool:
         if isinstance(value, Strategy):
             # the name of the instance's own kind: a ModelParallelStrategy is an FSDPStrategy
             # subclass, yet `--strategy fsdp` does not describe it
-            kinds = [entry.cls for entry in STRATEGIES.values() if isinstance(value, entry.cls)]
-            own = max(kinds, key=lambda cls: len(cls.__mro__), default=None)
-            return given != "auto" and own is STRATEGIES[given].cls
+            kinds = [entry for entry in STRATEGIES.values() if entry.is_kind_of(value)]
+            own = max(kinds, key=lambda entry: len(entry.cls.__mro__), default=None)
+            return given != "auto" and own is not None and own.where == STRATEGIES[given].where
         return value == given or (
             value in STRATEGIES and given in STRATEGIES and STRATEGIES[value] == STRATEGIES[given]
         )

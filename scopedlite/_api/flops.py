@@ -4,7 +4,8 @@
 Lightning Fabric's function of the same name does: every matrix multiplication, convolution
 and attention kernel of the call, forward and (with a loss function) backward; elementwise
 operations count nothing, as in the usual "6 N" estimates. A module of its own because
-importing torch's counter takes seconds, which ``lite.throughput`` does not need to pay.
+importing torch's counter takes seconds, which ``lite.throughput`` does not need to pay; it is
+imported at the first call, so resolving ``lite.measure_flops`` does not pay it either.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from scopedlite._private.torch_internals import cpu_attention_ops
 
@@ -76,6 +76,8 @@ def measure_flops(
     saved = [(p, p.grad) for p in model.parameters()]
     for parameter, _ in saved:
         parameter.grad = None  # the backward would add to these in place
+    from torch.utils.flop_counter import FlopCounterMode  # lazy: loads torch's op tables (and triton's stubs)
+
     counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
     try:
         with counter:
