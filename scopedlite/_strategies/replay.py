@@ -36,10 +36,11 @@ step on a plain loop; a collective step - DeepSpeed's - and lite.clip_gradients 
 A rank that leaves the block by an exception before that backward runs it itself, with zero
 gradients, before it tells the others in its ABORT round, so that their backward's gradient
 collectives meet its own and they learn of it at their next round. Where the
-forward gathers nothing (DDP, ZeRO-1/2) and every rank already holds an input of that model,
-its round is opened without waiting and read before the backward, so the ranks' skew is
-waited out behind the forward's compute. The first round that finds a rank left, waiting or
-serving makes every rank announce everything again (they all read the same rounds).
+forward communicates nothing (DDP, ZeRO-1/2, from the third training forward of the model in
+the block, without buffers to broadcast), its round is opened without waiting and read
+before the backward, so the ranks' skew is waited out behind the forward's compute. The
+first round that finds a rank left, waiting or serving makes every rank announce its
+backwards again (they all read the same rounds).
 
 **Replicas.** Under ``model_parallel`` the tensor-parallel ranks of a data-parallel replica
 read the same batches: they run, wait and leave together (each round checks it), replay
@@ -185,7 +186,8 @@ class ReplaySession:
         self.passes: set[PassCursor] = set()  # passes of set-up loaders under way on this rank
         self.lean = True  # the last round found every rank at the same step: see the module docstring
         self._posted: tuple[Any, torch.Tensor] | None = None  # (wait, rows): a forward's round not read yet
-        self._everyone_has_input: set[int] = set()  # models every rank ran a forward of in this block
+        # model -> training forwards every rank ran in this block, announced together
+        self._forwards_together: dict[int, int] = {}
         self._unanswered: dict[int, list[torch.Tensor]] = {}  # model -> outputs of its forward awaiting a backward
         self._stack = contextlib.ExitStack()
 
@@ -342,8 +344,9 @@ class ReplaySession:
             return round_
         self._set_count(len({self.replicas[r] for r in round_.runners}))
         self.lean = len(round_.runners) == self.world_size
-        if self.lean and round_.step.kind == Kind.FORWARD:
-            self._everyone_has_input.add(round_.step.index)
+        if self.lean and round_.step.kind == Kind.FORWARD and round_.step.flag & 1:
+            index = round_.step.index
+            self._forwards_together[index] = self._forwards_together.get(index, 0) + 1
         if not self._recording_started and round_.step.kind != Kind.PASS:
             self._recording_started = True  # a rank may serve from here: record (once per block)
             self.events.start()
@@ -448,14 +451,18 @@ class ReplaySession:
 
     def _may_post(self, index: int, buffers: bool) -> bool:
         """Whether the round of this forward may be read after it: every rank ran the last
-        step (lean), the forward exchanges nothing whose source the round decides (buffers),
-        gathers nothing a refusal would leave a rank waiting in, and no rank can need an
-        input of this model (each ran one already)."""
+        step (lean), and the forward communicates nothing: no buffers, no gathered
+        parameters, and not DDP's one-time bucket rebuild (a broadcast in the first training
+        forward after the first backward: from the third training forward in the block on,
+        it is behind). Every rank then also holds an input of this model (no example to
+        send). A forward that communicates waits for its round: a rank that refuses or left
+        by an exception there would leave the others alone in its collective."""
         return (
             self.lean
             and not buffers
             and not self.replayer.forward_communicates
-            and index in self._everyone_has_input
+            and torch.is_grad_enabled()
+            and self._forwards_together.get(index, 0) >= 2
             and len(self.events.pending) <= MAX_EVENTS
         )
 
