@@ -29,10 +29,6 @@ class Precision:
     param_dtype: torch.dtype | None
     scales_gradients: bool = False
 
-    @property
-    def is_mixed(self) -> bool:
-        return self.autocast_dtype is not None
-
     def unsupported_reason(self, accelerator: str) -> str | None:
         """Why this precision cannot run on ``accelerator``, or None if it can."""
         if self.name == "16-mixed" and accelerator == "cpu":

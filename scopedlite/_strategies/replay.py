@@ -159,7 +159,6 @@ class ReplaySession:
         self.strategy = strategy
         self.replayer = replayer
         self.models = models
-        self.joinables = models
         self.optimizers = optimizers
         self.group = group  # where openers travel: a CPU (gloo) group
         self.world_size = dist.get_world_size()
