@@ -210,11 +210,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def run_warm(
     script: Path | str, *args: str, tmp_path: Path, timeout: float = 90,
-    env: dict[str, str] | None = None, cwd: Path | None = None,
+    env: dict[str, str] | None = None, cwd: Path | None = None, deepspeed: bool | None = None,
 ) -> ScriptResult:
     """Run ``python script *args`` forked from the zygote (tests/zygote.py: torch imported
     already, the script's launch forks its workers); the script may write JSON to $OUT.
-    With an argument naming a DeepSpeed strategy, from the zygote that imported DeepSpeed."""
+    From the zygote that imported DeepSpeed with ``deepspeed=True``, or by default when an
+    argument names a DeepSpeed strategy."""
     out = tmp_path / f"out-{time.monotonic_ns()}.json"
     full_env = _env()
     full_env["OUT"] = str(out)
@@ -223,7 +224,9 @@ def run_warm(
     with tempfile.TemporaryDirectory() as printed:  # not in tmp_path, which scripts may list
         stdout, stderr = Path(printed, "stdout"), Path(printed, "stderr")
         try:
-            zygote = _DEEPSPEED_ZYGOTE if any(str(a).startswith("deepspeed") for a in args) else _ZYGOTE
+            if deepspeed is None:
+                deepspeed = any(str(a).startswith("deepspeed") for a in args)
+            zygote = _DEEPSPEED_ZYGOTE if deepspeed else _ZYGOTE
             code = zygote.run([str(script), *map(str, args)], full_env, cwd or tmp_path, timeout, stdout, stderr)
         except subprocess.TimeoutExpired as e:  # with what it printed, as subprocess.run gives it
             raise subprocess.TimeoutExpired(e.cmd, timeout, stdout.read_text(), stderr.read_text()) from None
