@@ -26,10 +26,19 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 import torch.distributed as dist
 from zygote import Zygote
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The test process computes the plain-torch references on tiny tensors, while the other xdist
+# worker and the scripts' ranks keep both cores busy: with torch's default of one thread per
+# core, each op waits for a thread on a busy core (test_join's references of torch's uneven
+# suite took 5.3 s on 2 threads, 0.5 s on 1). The scripts' processes are not affected: the
+# zygote and fresh interpreters start with their own count, and lite.launch gives each rank its
+# share of the cores (SPEC 4).
+torch.set_num_threads(1)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 # One extension folder for the whole session (this process and every process a test starts),
@@ -156,7 +165,8 @@ def no_leaks():
     while True:
         leftover = [
             p for p in psutil.Process().children(recursive=True)
-            if p.pid not in children_before and p.pid != _ZYGOTE.pid and p.status() != psutil.STATUS_ZOMBIE
+            if p.pid not in children_before and p.pid not in (_ZYGOTE.pid, _DEEPSPEED_ZYGOTE.pid)
+            and p.status() != psutil.STATUS_ZOMBIE
         ]
         if not leftover or time.monotonic() > deadline:
             break
@@ -187,18 +197,25 @@ def _env() -> dict[str, str]:
 
 
 _ZYGOTE = Zygote()
+# DeepSpeed's runs (a strategy named "deepspeed..." among the script's arguments) start from a
+# zygote that imported DeepSpeed (zygote.py says why); where a GPU is visible DeepSpeed would
+# pick it at import, so there they start from the plain one.
+_DEEPSPEED_ZYGOTE = Zygote(preload=() if torch.cuda.is_available() else ("deepspeed",))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _ZYGOTE.close()
+    _DEEPSPEED_ZYGOTE.close()
 
 
 def run_warm(
     script: Path | str, *args: str, tmp_path: Path, timeout: float = 90,
-    env: dict[str, str] | None = None, cwd: Path | None = None,
+    env: dict[str, str] | None = None, cwd: Path | None = None, deepspeed: bool | None = None,
 ) -> ScriptResult:
     """Run ``python script *args`` forked from the zygote (tests/zygote.py: torch imported
-    already, the script's launch forks its workers); the script may write JSON to $OUT."""
+    already, the script's launch forks its workers); the script may write JSON to $OUT.
+    From the zygote that imported DeepSpeed with ``deepspeed=True``, or by default when an
+    argument names a DeepSpeed strategy."""
     out = tmp_path / f"out-{time.monotonic_ns()}.json"
     full_env = _env()
     full_env["OUT"] = str(out)
@@ -207,7 +224,10 @@ def run_warm(
     with tempfile.TemporaryDirectory() as printed:  # not in tmp_path, which scripts may list
         stdout, stderr = Path(printed, "stdout"), Path(printed, "stderr")
         try:
-            code = _ZYGOTE.run([str(script), *map(str, args)], full_env, cwd or tmp_path, timeout, stdout, stderr)
+            if deepspeed is None:
+                deepspeed = any(str(a).startswith("deepspeed") for a in args)
+            zygote = _DEEPSPEED_ZYGOTE if deepspeed else _ZYGOTE
+            code = zygote.run([str(script), *map(str, args)], full_env, cwd or tmp_path, timeout, stdout, stderr)
         except subprocess.TimeoutExpired as e:  # with what it printed, as subprocess.run gives it
             raise subprocess.TimeoutExpired(e.cmd, timeout, stdout.read_text(), stderr.read_text()) from None
         return ScriptResult(code, stdout.read_text(), stderr.read_text(), out, time.monotonic() - start)

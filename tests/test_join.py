@@ -261,9 +261,17 @@ from _torch_models import (  # noqa: E402
 
 
 def _close(got, expected, what, rel=1e-5, abs_=1e-5):
+    """Each tensor (a flat list) as ``a == pytest.approx(b, rel=rel, abs=abs_)`` judges it,
+    value by value: equal, or ``|a - b| <= max(rel * |b|, abs_)`` (a NaN never passes), in
+    float64 as Python computes it; vectorised: pytest.approx took 12 of the 21 s of checks
+    of torch's uneven suite."""
     assert len(got) == len(expected), f"{what}: {len(got)} tensors, expected {len(expected)}"
     for k, (a, b) in enumerate(zip(got, expected)):
-        assert a == pytest.approx(b, rel=rel, abs=abs_), f"{what}: tensor {k} differs"
+        a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+        assert a.shape == b.shape, f"{what}: tensor {k} has {a.numel()} values, expected {b.numel()}"
+        diff = (a - b).abs()
+        ok = (a == b) | (diff <= torch.clamp(rel * b.abs(), min=abs_))
+        assert bool(ok.all()), f"{what}: tensor {k} differs by up to {float(diff[~ok].max())}"
 
 
 @pytest.mark.timeout(300)

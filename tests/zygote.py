@@ -20,10 +20,16 @@ CLI, example, docs and world tests, and half the fault cases.
 
 Environment variables that torch or scopedlite read at import are the zygote's (its start
 environment: the test process's), not a request's; a test that sets one runs fresh.
+
+A zygote may also *preload* modules (``Zygote(preload=("deepspeed",))``): importing DeepSpeed
+costs 5-9 s of CPU in every rank of every DeepSpeed launch, as a user's script that imports
+it at its top pays once. The plain zygote never imports it, so a check that a run does not
+import DeepSpeed, or restores what its import sets in ``os.environ``, holds its meaning there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -41,8 +47,9 @@ HERE = Path(__file__).resolve().parent
 class Zygote:
     """One zygote process, started on first use, and the scripts it runs, one at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
+        self.preload = preload
 
     @property
     def pid(self) -> int | None:
@@ -85,9 +92,13 @@ class Zygote:
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
+            env = dict(os.environ)
+            if "deepspeed" in self.preload:  # the tests run DeepSpeed on CPU; detected, it warns
+                env.setdefault("DS_ACCELERATOR", "cpu")
             self._proc = subprocess.Popen(
-                [sys.executable, "-u", str(Path(__file__).resolve())],
+                [sys.executable, "-u", str(Path(__file__).resolve()), *self.preload],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,  # unbuffered: see _line
+                env=env,
             )
             if self._line(time.monotonic() + 120) != "ready":
                 raise RuntimeError("the zygote did not start")
@@ -139,8 +150,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _serve() -> None:
+def _serve(preload: list[str]) -> None:
     _die_with_parent()
+    import importlib
+
     import torch
 
     import scopedlite  # noqa: F401
@@ -152,6 +165,9 @@ def _serve() -> None:
     import torch.distributed.fsdp  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the line protocol with the tests
+        for name in preload:
+            importlib.import_module(name)
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -218,4 +234,4 @@ def _run(script: str) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
-    _serve()
+    _serve(sys.argv[1:])
