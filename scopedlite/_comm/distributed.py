@@ -36,7 +36,6 @@ __all__ = [
     "all_reduce_tensor",
     "barrier",
     "broadcast_any",
-    "gather_into",
     "gather_into_later",
     "init_process_group",
     "retire_groups",
@@ -335,16 +334,12 @@ def all_gather_tensor(tensor: torch.Tensor, device: torch.device, group: Any = N
     return torch.stack(parts).to(tensor.device)
 
 
-def gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
-    """Every rank's ``tensor`` into ``output``, concatenated in rank order: torch's
-    ``all_gather_single`` (2.13; it deprecates ``all_gather_into_tensor`` with a warning on
-    every call), ``all_gather_into_tensor`` on older torch."""
-    gather_into_later(output, tensor, group)()
-
-
 def gather_into_later(output: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> Callable[[], None]:
-    """Start :func:`gather_into` without waiting for it; the function returned waits for it
-    (and must be called: until then gloo's thread holds both tensors)."""
+    """Start gathering every rank's ``tensor`` into ``output``, concatenated in rank order,
+    without waiting for it: the function returned waits for it (and must be called: until then
+    gloo's thread holds both tensors). torch's ``all_gather_single`` (2.13; it deprecates
+    ``all_gather_into_tensor`` with a warning on every call), ``all_gather_into_tensor`` on
+    older torch."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(output, tensor, group=group, async_op=True)
 

@@ -59,12 +59,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.distributed import broadcast_any, gather_into, gather_into_later
+from scopedlite._comm.distributed import broadcast_any, gather_into_later
 from scopedlite._comm.replicas import reduce_rows
 from scopedlite._comm.wire import wire_dtype
 from scopedlite._core.structures import map_tensors
@@ -184,7 +184,7 @@ class ReplaySession:
         self._recording_started = False
         self.passes: set[PassCursor] = set()  # passes of set-up loaders under way on this rank
         self.lean = True  # the last round found every rank at the same step: see the module docstring
-        self._posted: tuple[Any, torch.Tensor] | None = None  # (wait, rows): a forward's round not read yet
+        self._posted: tuple[Callable[[], None], torch.Tensor] | None = None  # a forward's round not read yet
         # model -> training forwards every rank ran in this block, announced together
         self._forwards_together: dict[int, int] = {}
         self._unanswered: dict[int, list[torch.Tensor]] = {}  # model -> outputs of its forward awaiting a backward
@@ -290,21 +290,22 @@ class ReplaySession:
             self._unanswered.clear()
 
     # -- rounds --------------------------------------------------------------------------------------
-    def _exchange(self, opener: Opener) -> Round:
+    def _open(self, opener: Opener) -> tuple[Callable[[], None], torch.Tensor]:
+        """Start the all-gather of every rank's opener: (the function that waits for it, the rows)."""
         self._settle()  # rounds are read in order
         self.strategy.note_collective()  # a rank evaluating alone under FSDP learns we are here
         row = torch.tensor(opener.encode(), dtype=torch.float64)
         rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
-        gather_into(rows, row, group=self.group)
+        return gather_into_later(rows, row, group=self.group), rows
+
+    def _exchange(self, opener: Opener) -> Round:
+        wait, rows = self._open(opener)
+        wait()
         return Round(rows.view(self.world_size, LENGTH).tolist())
 
     def _post(self, opener: Opener) -> None:
         """Open a round without waiting for it; :meth:`_settle` reads it."""
-        self._settle()
-        self.strategy.note_collective()
-        row = torch.tensor(opener.encode(), dtype=torch.float64)
-        rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
-        self._posted = (gather_into_later(rows, row, group=self.group), rows)
+        self._posted = self._open(opener)
 
     def _settle(self) -> None:
         """Wait for the round a forward opened without waiting, and read it as any round.
@@ -478,14 +479,15 @@ class ReplaySession:
                 f"Inside lite.join a model may return at most {_MAX_OUTPUTS} tensors that need a "
                 f"gradient; model {index} returned {len(tensors)}. Return fewer (stack them)."
             )
-        wrapped = iter(_Announce.apply(self, index, self.forwards, *tensors))
-        result = map_tensors(output, lambda t: next(wrapped) if t.requires_grad else t)
+        wrapped = list(_Announce.apply(self, index, self.forwards, *tensors))  # in the output's order
+        taken = iter(wrapped)
+        result = map_tensors(output, lambda t: next(taken) if t.requires_grad else t)
         if not self.serving and self.rounds:
-            self._unanswered[index] = [t for t in _leaves(result) if t.requires_grad]
+            self._unanswered[index] = wrapped
         if self.serving:
             # Kept until the backward of this forward is announced; a few forwards may come
             # before one backward, none is kept for ever.
-            self.outputs[self.forwards] = [t for t in _leaves(result) if t.requires_grad]
+            self.outputs[self.forwards] = wrapped
             for old in [k for k in self.outputs if k <= self.forwards - _KEPT_FORWARDS]:
                 del self.outputs[old]
         return result
@@ -660,12 +662,6 @@ def _buffers_kept(module: torch.nn.Module) -> Any:
         yield
     finally:
         overwrite_buffers(buffers, saved)
-
-
-def _leaves(output: Any) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = []
-    map_tensors(output, lambda t: tensors.append(t))
-    return tensors
 
 
 def _user_site() -> int:
