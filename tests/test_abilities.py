@@ -128,7 +128,7 @@ REACHED_THROUGH = {
 OWN_HELPERS = {
     "join_models": "the join template's hook (process_group_strategy.py): the models join may take",
     "join_optimizers": "the join template's hook: the optimizers a join mirrors",
-    "join_replayer": "the join template's hook: the backend's replays",
+    "join_hook": "the join template's hook: the backend's replays",
     "join_replicas": "the join template's hook: which ranks form each data-parallel replica",
     "engine": "deepspeed: the engine behind a set-up model, for the user (docs: Real models)",
     "optimizer_of": "deepspeed: a model's optimizer, for its checkpoint, join and backward",

@@ -394,7 +394,7 @@ def test_a_replay_that_does_not_mirror_the_optimizer_step_is_caught(script):
 
 def test_an_opener_encodes_and_decodes_itself():
     """The wire message of the join protocol: every field survives the float64 row."""
-    from scopedlite._strategies.join_message import LENGTH, Action, Event, Header, Kind, Opener, Round
+    from scopedlite._strategies.join.message import LENGTH, Action, Event, Header, Kind, Opener, Round
 
     opener = Opener(
         Kind.COLLECTIVE,

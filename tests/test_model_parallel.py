@@ -381,7 +381,7 @@ def test_one_process_is_its_own_single_share():
 def test_a_replica_runs_waits_and_leaves_as_one():
     """lite.join's verdict on a round: the ranks of one data-parallel replica (here ranks 0-1
     and 2-3) must be in the same state, announcing the same step, or every rank refuses."""
-    from scopedlite._strategies.join_message import Kind, Opener, Round
+    from scopedlite._strategies.join.message import Kind, Opener, Round
 
     replicas = (0, 0, 1, 1)
     forward, left = Opener(Kind.FORWARD).encode(), Opener(Kind.LEFT).encode()

@@ -1,6 +1,6 @@
 """``lite.join``: ranks may run out of data at different times without hanging.
 
-The scope asks the run's strategy for a join session (see scopedlite._strategies.replay). While
+The scope asks the run's strategy for a join session (see scopedlite._strategies.join.session). While
 it is open, the distributed sampler of ``setup_dataloader`` stops padding, and our
 collectives route through the session so they stay correct on the ranks still active.
 """

@@ -19,10 +19,11 @@ import torch
 
 from scopedlite._comm.wire import gather_objects
 
-__all__ = ["CollectiveMismatchError", "check_same_collective", "debug_enabled"]
+__all__ = ["PACKAGE_DIR", "CollectiveMismatchError", "call_site", "check_same_collective", "debug_enabled"]
 
-# The scopedlite package folder (this file is in scopedlite/_comm/).
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The scopedlite package folder (this file is in scopedlite/_comm/), with its separator: a
+# frame whose file starts with it is ours.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -34,9 +35,9 @@ def debug_enabled() -> bool:
 
 
 def call_site() -> str:
-    """The first frame outside scopedlite: the user's line that called the collective."""
+    """The first frame outside scopedlite: the user's line (``file:line``) that called into it."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "<unknown>"

@@ -35,7 +35,7 @@ class SupportsNoBackwardSync(Protocol):
 @runtime_checkable
 class SupportsJoin(Protocol):
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
-        """Return a join session (a context manager, see ``join_session``) for uneven inputs."""
+        """Return a join session (a context manager, see ``join/session.py``) for uneven inputs."""
         ...
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._private.torch_internals import default_store
-from scopedlite._strategies.join_members import in_join
+from scopedlite._strategies.join.members import in_join
 
 __all__ = ["ForwardOnSomeRanksError", "GatherLedger", "MethodCalledOnSomeRanksError", "Nesting"]
 

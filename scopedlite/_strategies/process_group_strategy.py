@@ -3,7 +3,7 @@
 DDP, FSDP and DeepSpeed differ in how they wrap modules and optimizers, not in how their
 processes meet or how our collectives travel: the backend option and its checks, the start
 (bind the GPU, create the group) and stop, the four collectives and the ``join`` template
-(one :class:`~scopedlite._strategies.replay.ReplaySession` with a replayer per backend) live
+(one :class:`~scopedlite._strategies.join.session.JoinSession` with a hook per backend) live
 here once.
 """
 
@@ -17,9 +17,9 @@ import torch.distributed as dist
 from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
-from scopedlite._strategies.join_replayer import Replayer
+from scopedlite._strategies.join.hook import JoinHook
+from scopedlite._strategies.join.session import JoinSession
 from scopedlite._strategies.lockstep import GatherLedger
-from scopedlite._strategies.replay import ReplaySession
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -135,9 +135,9 @@ class ProcessGroupStrategy(Strategy):
         if self._ledger is not None:
             self._ledger.collective()
 
-    # -- lite.join: one template, a replayer per backend -------------------------------------
-    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> ReplaySession:
-        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/replay.py``)."""
+    # -- lite.join: one template, a hook per backend -------------------------------------
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> JoinSession:
+        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/join/session.py``)."""
         models = self.join_models()
         for joinable in joinables:
             if not any(joinable is m for m in models):
@@ -149,8 +149,8 @@ class ProcessGroupStrategy(Strategy):
                 )
         chosen = tuple(joinables) or tuple(models)
         optimizers = self.join_optimizers(chosen)
-        replayer = self.join_replayer(chosen, optimizers, divide_by_initial_world_size)
-        return ReplaySession(self, replayer, chosen, optimizers, self._openers_group(), self.join_replicas())
+        hook = self.join_hook(chosen, optimizers, divide_by_initial_world_size)
+        return JoinSession(self, hook, chosen, optimizers, self._openers_group(), self.join_replicas())
 
     def join_models(self) -> list[torch.nn.Module]:
         """The models set up in this run and still referenced, in setup order."""
@@ -160,9 +160,9 @@ class ProcessGroupStrategy(Strategy):
         """The optimizers a join over ``models`` mirrors, in setup order."""
         raise NotImplementedError
 
-    def join_replayer(
+    def join_hook(
         self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
-    ) -> Replayer:
+    ) -> JoinHook:
         """This backend's hooks and replays (checks what it cannot replay first)."""
         raise NotImplementedError
 

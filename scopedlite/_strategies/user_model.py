@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.ddp.unused import forward_naming_unused
-from scopedlite._strategies.join_members import in_join, refuse_backward_in_join, refuse_gather_in_join
+from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
 from scopedlite._strategies.method_results import on_backward
 
 __all__ = [
@@ -117,7 +117,7 @@ class UserModelView(torch.nn.Module):
         lite_nesting: Set by the strategy where methods gather over several ranks (ZeRO-3):
             a :class:`~scopedlite._strategies.lockstep.Nesting` whose ledger checks that every
             rank calls the method before it gathers. Inside ``lite.join`` a method that would
-            gather is refused, and one whose result is back-propagated too (join_members.py).
+            gather is refused, and one whose result is back-propagated too (join/members.py).
     """
 
     lite_always_through_forward: ClassVar[bool] = False
@@ -194,7 +194,7 @@ def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) 
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if in_join(inner):  # ranks out of data replay forwards: a method is not one (join_members.py)
+        if in_join(inner):  # ranks out of data replay forwards: a method is not one (join/members.py)
             if wrapper.lite_always_through_forward:
                 refuse_gather_in_join(qualified)
             return on_backward(method(*args, **kwargs), functools.partial(refuse_backward_in_join, qualified))

@@ -26,8 +26,8 @@ from _common import from_every_rank, write
 
 name, ranks, suite = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if sys.argv[4:] == ["nostep"]:  # a deliberately wrong replay: the test must notice
-    from scopedlite._strategies import join_events
-    from scopedlite._strategies.join_message import Action
+    from scopedlite._strategies.join import events as join_events
+    from scopedlite._strategies.join.message import Action
 
     original_apply = join_events.EventRecorder.apply
     join_events.EventRecorder.apply = lambda self, event, rank: None if event.action == Action.OPTIMIZER_STEP else original_apply(self, event, rank)

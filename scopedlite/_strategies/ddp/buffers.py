@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._comm.payloads import keep
 from scopedlite._private.torch_internals import overwrite_buffers
-from scopedlite._strategies.join_members import in_join
+from scopedlite._strategies.join.members import in_join
 
 __all__ = ["broadcast_coalesced", "buffer_flag_name", "synced_buffers", "take_over_buffer_sync"]
 

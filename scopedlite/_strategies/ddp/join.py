@@ -1,4 +1,4 @@
-"""The DDP side of ``lite.join``: hooks and replays for the session (see replay.py).
+"""The DDP side of ``lite.join``: hooks and replays for the session (see join/session.py).
 
 A serving rank replays each forward on a cached input and each backward with zero output
 gradients, so it takes part in DDP's own collectives (the gradient all-reduce, the
@@ -28,25 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.ddp.buffers import broadcast_coalesced, synced_buffers
-from scopedlite._strategies.join_replayer import announce_forwards
+from scopedlite._strategies.join.hook import JoinHook
 
-if TYPE_CHECKING:
-    from scopedlite._strategies.replay import ReplaySession
-
-__all__ = ["DDPReplay", "refuse_what_join_cannot_replay"]
+__all__ = ["DDPJoinHook", "refuse_what_join_cannot_replay"]
 
 
-class DDPReplay:
-    """Hooks and replays of DDP models for :class:`~scopedlite._strategies.replay.ReplaySession`."""
+class DDPJoinHook(JoinHook):
+    """Hooks and replays of DDP models for :class:`~scopedlite._strategies.join.session.JoinSession`."""
 
-    records_steps = True
-    forward_communicates = False  # but for DDP's buffer broadcast, whose forwards await their round
+    # forward_communicates stays False: but for DDP's buffer broadcast, whose forwards await their round
 
     def __init__(
         self,
@@ -55,21 +51,12 @@ class DDPReplay:
         divide_by_initial_world_size: bool,
         world_size: int,
     ) -> None:
-        self.strategy = strategy
-        self.models = models
-        self.divide = divide_by_initial_world_size
-        self.world_size = world_size
+        super().__init__(strategy, models, divide_by_initial_world_size, world_size)
         self._buffers = [strategy.syncs_buffers(m) for m in models]  # the user's DDP setting
         self._synced = [synced_buffers(m) for m in models]  # the buffers DDP would broadcast
 
-    def install(self, session: ReplaySession) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for index, model in enumerate(self.models):
-            announce_forwards(stack, session, index, model)
-        return stack
-
     def module(self, index: int) -> torch.nn.Module:
-        return self.models[index].module
+        return self.models[index].module  # type: ignore[no-any-return]
 
     def zero_grad_owners(self) -> list[tuple[int, torch.nn.Module]]:
         return [owner for i, m in enumerate(self.models) for owner in ((i, m), (i, m.module))]
@@ -90,37 +77,19 @@ class DDPReplay:
             return model(*args, **kwargs)
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
-        if not outputs:
-            return
         params = [p for p in self.models[index].parameters() if p.requires_grad]
-        held = [p.grad for p in params] if sync and not keep_own else None
+        held = [p.grad for p in params] if outputs and sync and not keep_own else None
         if held is not None:
             for p in params:
                 p.grad = None  # contribute zero
-        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+        super().backward(index, outputs, sync, keep_own)
         if held is not None:
             for p, grad in zip(params, held):
                 if p.grad is None:  # not reduced this step (unused everywhere): as it was
                     p.grad = grad
 
-    def step(self, index: int) -> None:
-        raise AssertionError("DDP's optimizer step is local: it travels as an event")
-
     def output_scale(self, count: int) -> float:
         return 1.0 if self.divide else self.world_size / count
-
-    def active_count(self, count: int) -> None:
-        pass  # output_scale reads the count
-
-    def clip(
-        self,
-        index: int,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float | None,
-        clip_val: float | None,
-        norm_type: float,
-    ) -> Any:
-        return self.strategy.clip_gradients(self.models[index], optimizer, max_norm, clip_val, norm_type=norm_type)
 
     def finish(self, authoritative: int) -> None:
         for index, model in enumerate(self.models):

@@ -13,7 +13,7 @@ parameter - prepares DDP's reducer as DDP's forward would have, with the gradien
 the method was called under (inside ``no_backward_sync`` it stays local). A backward that
 also runs through the output of DDP's own forward, already prepared and reducing, is left as
 it is. Inside ``lite.join`` such a backward is refused: a rank out of data replays forwards,
-not the user's methods (join_members.py).
+not the user's methods (join/members.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._private.torch_internals import ddp_reducer_is_reducing, prepare_ddp_backward
-from scopedlite._strategies.join_members import in_join, refuse_backward_in_join
+from scopedlite._strategies.join.members import in_join, refuse_backward_in_join
 from scopedlite._strategies.method_results import on_backward
 
 __all__ = ["ddp_method"]

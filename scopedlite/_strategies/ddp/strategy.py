@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.ddp.buffers import take_over_buffer_sync
-from scopedlite._strategies.ddp.join import DDPReplay, refuse_what_join_cannot_replay
+from scopedlite._strategies.ddp.join import DDPJoinHook, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
@@ -126,8 +126,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
-    def join_replayer(
+    def join_hook(
         self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
-    ) -> DDPReplay:
+    ) -> DDPJoinHook:
         refuse_what_join_cannot_replay(models, optimizers)
-        return DDPReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
+        return DDPJoinHook(self, models, divide_by_initial_world_size, self.placement.world_size)

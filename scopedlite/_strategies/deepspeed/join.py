@@ -1,4 +1,4 @@
-"""The DeepSpeed side of ``lite.join``: hooks and replays for the session (see replay.py).
+"""The DeepSpeed side of ``lite.join``: hooks and replays for the session (see join/session.py).
 
 DeepSpeed's public engine methods are wrapped on the instance for the block:
 
@@ -28,33 +28,31 @@ import torch
 
 from scopedlite._strategies.deepspeed.engines import accumulating
 from scopedlite._strategies.deepspeed.logs import filtered_warnings
-from scopedlite._strategies.join_events import wrap_method
+from scopedlite._strategies.join.events import wrap_method
+from scopedlite._strategies.join.hook import JoinHook
 
 if TYPE_CHECKING:
     from scopedlite._strategies.deepspeed.strategy import DeepSpeedStrategy
-    from scopedlite._strategies.replay import ReplaySession
+    from scopedlite._strategies.join.session import JoinSession
 
-__all__ = ["DeepSpeedReplay"]
+__all__ = ["DeepSpeedJoinHook"]
 
 
-class DeepSpeedReplay:
-    """Hooks and replays of DeepSpeed engines for :class:`~scopedlite._strategies.replay.ReplaySession`."""
+class DeepSpeedJoinHook(JoinHook):
+    """Hooks and replays of DeepSpeed engines for :class:`~scopedlite._strategies.join.session.JoinSession`."""
 
     records_steps = False
 
     def __init__(
         self, strategy: DeepSpeedStrategy, engines: tuple[Any, ...], divide_by_initial_world_size: bool, world_size: int
     ) -> None:
+        super().__init__(strategy, engines, divide_by_initial_world_size, world_size)
         self.forward_communicates = strategy.stage == 3  # ZeRO-3 gathers its parameters
-        self.strategy = strategy
-        self.engines = engines
-        self.divide = divide_by_initial_world_size
-        self.world_size = world_size
         self.count = world_size
 
-    def install(self, session: ReplaySession) -> contextlib.ExitStack:
+    def install(self, session: JoinSession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
-        for index, engine in enumerate(self.engines):
+        for index, engine in enumerate(self.models):
             forward, backward, step = engine.forward, engine.backward, engine.step
 
             def announced_forward(*args: Any, index: int = index, forward: Any = forward, **kwargs: Any) -> Any:
@@ -76,24 +74,19 @@ class DeepSpeedReplay:
         return stack
 
     def module(self, index: int) -> torch.nn.Module:
-        return self.engines[index].module
+        return self.models[index].module  # type: ignore[no-any-return]
 
     def zero_grad_owners(self) -> list[tuple[int, torch.nn.Module]]:
         return []  # the engine zeroes its gradients after each step
 
-    def buffer_flag(self, index: int) -> bool:
-        return False
-
-    def sync_buffers(self, index: int, source: int) -> None:
-        raise AssertionError("DeepSpeed does not synchronise buffers")
-
-    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
-        return self.engines[index](*args, **kwargs)
+    def sync_flag(self, index: int) -> bool:
+        # lite.no_backward_sync lowers the engine's boundary; its config may accumulate too
+        return bool(self.models[index].is_gradient_accumulation_boundary())
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
         if not outputs:
             return
-        engine = self.engines[index]
+        engine = self.models[index]
         zero = sum((t.float() * 0).sum() for t in outputs)
         with filtered_warnings(), accumulating(engine) if not sync else contextlib.nullcontext():
             engine.backward(zero)
@@ -101,29 +94,9 @@ class DeepSpeedReplay:
     def step(self, index: int) -> None:
         # Through the user's optimizer, as on the active ranks: its step is rerouted to the
         # engine, and the engine's own call back into it must reach the real step.
-        engine = self.engines[index]
+        engine = self.models[index]
         optimizer = self.strategy.optimizer_of(engine)
         (optimizer if optimizer is not None else engine).step()
 
-    def sync_flag(self, index: int) -> bool:
-        # lite.no_backward_sync lowers the engine's boundary; its config may accumulate too
-        return bool(self.engines[index].is_gradient_accumulation_boundary())
-
-    def output_scale(self, count: int) -> float:
-        return 1.0  # the divisor is set by scaling the loss in engine.backward
-
     def active_count(self, count: int) -> None:
-        self.count = count
-
-    def clip(
-        self,
-        index: int,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float | None,
-        clip_val: float | None,
-        norm_type: float,
-    ) -> Any:
-        return self.strategy.clip_gradients(self.engines[index], optimizer, max_norm, clip_val, norm_type=norm_type)
-
-    def finish(self, authoritative: int) -> None:
-        pass  # each rank's partitions were stepped alike; buffers are each rank's own
+        self.count = count  # the divisor is set by scaling the loss in engine.backward

@@ -45,7 +45,7 @@ from scopedlite._strategies.deepspeed.engines import (
 )
 from scopedlite._strategies.deepspeed.init import zero3_build
 from scopedlite._strategies.deepspeed.install import import_deepspeed
-from scopedlite._strategies.deepspeed.join import DeepSpeedReplay
+from scopedlite._strategies.deepspeed.join import DeepSpeedJoinHook
 from scopedlite._strategies.deepspeed.logs import (
     Discard,
     filtered_warnings,
@@ -418,10 +418,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             )
         return tuple(o for o in optimizers if o is not None)
 
-    def join_replayer(
+    def join_hook(
         self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
-    ) -> DeepSpeedReplay:
-        return DeepSpeedReplay(self, models, divide_by_initial_world_size, self.placement.world_size)
+    ) -> DeepSpeedJoinHook:
+        return DeepSpeedJoinHook(self, models, divide_by_initial_world_size, self.placement.world_size)
 
     # -- checkpoints: the engine's own folder; any checkpoint loaded (see checkpoint.py) --
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:

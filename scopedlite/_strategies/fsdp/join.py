@@ -1,4 +1,4 @@
-"""The FSDP2 side of ``lite.join``: hooks and replays for the session (see replay.py).
+"""The FSDP2 side of ``lite.join``: hooks and replays for the session (see join/session.py).
 
 - Forward: a pre-hook on each root, registered *prepended* and after ``fully_shard`` (FSDP2
   prepends its own all-gather hook; a hook behind it would meet the all-gather on a joined
@@ -30,20 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from scopedlite._strategies.join_events import wrap_method
-from scopedlite._strategies.join_replayer import announce_forwards
+from scopedlite._strategies.join.events import wrap_method
+from scopedlite._strategies.join.hook import JoinHook
 
 if TYPE_CHECKING:
     from scopedlite._strategies.fsdp.strategy import FSDPStrategy
-    from scopedlite._strategies.replay import ReplaySession
+    from scopedlite._strategies.join.session import JoinSession
 
-__all__ = ["FSDPReplay", "outermost_units"]
+__all__ = ["FSDPJoinHook", "outermost_units"]
 
 
-class FSDPReplay:
-    """Hooks and replays of FSDP2 roots for :class:`~scopedlite._strategies.replay.ReplaySession`."""
+class FSDPJoinHook(JoinHook):
+    """Hooks and replays of FSDP2 roots for :class:`~scopedlite._strategies.join.session.JoinSession`."""
 
-    records_steps = True
     forward_communicates = True
 
     def __init__(
@@ -53,9 +52,7 @@ class FSDPReplay:
         divide_by_initial_world_size: bool,
         replicas: int,
     ) -> None:
-        self.strategy = strategy
-        self.roots = roots
-        self.divide = divide_by_initial_world_size
+        super().__init__(strategy, roots, divide_by_initial_world_size, strategy.placement.world_size)
         self.replicas = replicas  # FSDP's data-parallel size: the gradients are reduced over them
         self._sync = [True] * len(roots)
         self._units = [outermost_units(root) for root in roots]
@@ -63,13 +60,12 @@ class FSDPReplay:
     def _fsdp_modules(self) -> list[Any]:
         from torch.distributed.fsdp import FSDPModule
 
-        return [m for root in self.roots for m in root.modules() if isinstance(m, FSDPModule)]
+        return [m for root in self.models for m in root.modules() if isinstance(m, FSDPModule)]
 
-    def install(self, session: ReplaySession) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for index, root in enumerate(self.roots):
-            announce_forwards(stack, session, index, root)
-            for unit in self._units[index]:
+    def install(self, session: JoinSession) -> contextlib.ExitStack:
+        stack = super().install(session)
+        for index, units in enumerate(self._units):
+            for unit in units:
                 original = unit.set_requires_gradient_sync
 
                 def tracked(
@@ -87,61 +83,26 @@ class FSDPReplay:
             stack.callback(self.active_count, self.replicas)
         return stack
 
-    def module(self, index: int) -> torch.nn.Module:
-        return self.roots[index]
-
-    def zero_grad_owners(self) -> list[tuple[int, torch.nn.Module]]:
-        return list(enumerate(self.roots))
-
-    def buffer_flag(self, index: int) -> bool:
-        return False
-
-    def sync_buffers(self, index: int, source: int) -> None:
-        raise AssertionError("FSDP2 does not synchronise buffers")
-
-    def forward(self, index: int, args: Any, kwargs: Any, sync: bool) -> Any:
-        return self.roots[index](*args, **kwargs)
+    def sync_flag(self, index: int) -> bool:
+        return self._sync[index]
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
-        if not outputs:
-            return
-        units = self._units[index] if not sync else []
+        units = self._units[index] if outputs and not sync else []
         for unit in units:
             unit.set_requires_gradient_sync(False)
         try:
-            torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+            super().backward(index, outputs, sync, keep_own)
         finally:
             for unit in units:
                 unit.set_requires_gradient_sync(True)
 
-    def step(self, index: int) -> None:
-        raise AssertionError("FSDP2's optimizer step is local: it travels as an event")
-
-    def sync_flag(self, index: int) -> bool:
-        return self._sync[index]
-
-    def output_scale(self, count: int) -> float:
-        return 1.0  # the divisor is set on every FSDP module
-
     def active_count(self, count: int) -> None:
-        """``count`` replicas run now."""
+        """``count`` replicas run now: every FSDP module divides by it (``output_scale``
+        stays 1)."""
         if self.divide:
             return
         for module in self._fsdp_modules():
             module.set_gradient_divide_factor(float(count))
-
-    def clip(
-        self,
-        index: int,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float | None,
-        clip_val: float | None,
-        norm_type: float,
-    ) -> Any:
-        return self.strategy.clip_gradients(self.roots[index], optimizer, max_norm, clip_val, norm_type=norm_type)
-
-    def finish(self, authoritative: int) -> None:
-        pass  # each rank's shards were stepped alike; buffers are each rank's own
 
 
 def outermost_units(root: torch.nn.Module) -> list[Any]:

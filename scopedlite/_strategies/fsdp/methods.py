@@ -16,7 +16,7 @@ without gathering - ``p.numel()`` and ``p.shape`` are the full sizes - or the co
 any ranks: nanoGPT's ``estimate_mfu`` on rank 0. A method that gathers is a collective, like
 forward: just before its first gather it is checked against the other ranks (lockstep.py)
 and refused, naming them, where they do not call it; inside ``lite.join`` it is refused (ranks
-out of data replay forwards, not methods: join_members.py).
+out of data replay forwards, not methods: join/members.py).
 
 A method called while the model is already gathered (from ``forward``, or from another of
 its methods) runs as it is: a second post-forward would reshard the parameters under the
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from scopedlite._private.torch_internals import fsdp_cast_forward_inputs, fsdp_post_forward, fsdp_pre_forward
-from scopedlite._strategies.join_members import in_join, refuse_gather_in_join
+from scopedlite._strategies.join.members import in_join, refuse_gather_in_join
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.user_model import SAVING_METHODS, saving_method, share_tied, user_method_names
 

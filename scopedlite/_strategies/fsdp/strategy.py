@@ -30,7 +30,7 @@ from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
 from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate_degree, hsdp_shape
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
-from scopedlite._strategies.fsdp.join import FSDPReplay
+from scopedlite._strategies.fsdp.join import FSDPJoinHook
 from scopedlite._strategies.fsdp.methods import count_depth, gather_for_user_methods
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
@@ -396,10 +396,10 @@ class FSDPStrategy(ProcessGroupStrategy):
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
         return self.optimizers_of(models, [ref() for ref in self._optimizers])
 
-    def join_replayer(
+    def join_hook(
         self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
-    ) -> FSDPReplay:
-        return FSDPReplay(self, models, divide_by_initial_world_size, self.data_parallel_size)
+    ) -> FSDPJoinHook:
+        return FSDPJoinHook(self, models, divide_by_initial_world_size, self.data_parallel_size)
 
     # -- checkpoints ----------------------------------------------------------------------
     def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 import torch
 
 from scopedlite._strategies.base import Rendezvous, Strategy
-from scopedlite._strategies.join_session import NoJoin
+from scopedlite._strategies.join.collectives import NoJoin
 from scopedlite._strategies.one_process import OneProcessCollectives
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 

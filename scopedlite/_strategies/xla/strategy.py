@@ -33,7 +33,7 @@ from scopedlite._core.structures import map_tensors
 from scopedlite._hardware.xla import import_torch_xla
 from scopedlite._private.torch_xla_internals import initialize_tpu_process
 from scopedlite._strategies.base import ReduceOp, Rendezvous, Strategy
-from scopedlite._strategies.join_session import NoJoin
+from scopedlite._strategies.join.collectives import NoJoin
 from scopedlite._strategies.one_process import OneProcessCollectives
 
 if TYPE_CHECKING:

@@ -9,18 +9,18 @@ reduction is exactly zero, and it ends with the same model as the others.
 
 The roles, as in torch's ``join.py``:
 
-- :class:`ReplaySession` (this module): the loop. A running rank announces each forward,
+- :class:`JoinSession` (this module): the loop. A running rank announces each forward,
   backward, collective step and lite collective in a *round*; a rank that has left the block
   (or waits at a collective the others have not reached yet) serves the rounds until every
   rank has left.
-- :class:`Replayer`: one small class per backend (``ddp/join.py``, ``fsdp/join.py``,
+- :class:`JoinHook`: one small class per backend (``ddp/join.py``, ``fsdp/join.py``,
   ``deepspeed/join.py``): its hooks, and how it replays.
-- :class:`~join_message.Opener` / :class:`~join_message.Round`: the message each rank sends at
+- :class:`~message.Opener` / :class:`~message.Round`: the message each rank sends at
   the start of a round (an all-gather, on a CPU group under NCCL) and the verdict every rank
   reads from all of them alike.
-- :class:`~join_events.EventRecorder`: local actions (``optimizer.step``, ``zero_grad``,
+- :class:`~events.EventRecorder`: local actions (``optimizer.step``, ``zero_grad``,
   ``scheduler.step``) carried on the next opener and applied in order by the ranks serving.
-- :class:`~join_session.JoinCollectives`: our collectives' payloads, with neutral values from
+- :class:`~collectives.JoinCollectives`: our collectives' payloads, with neutral values from
   the ranks serving.
 
 **Free when even.** While every rank still has data there is nothing to replay. When a pass
@@ -57,21 +57,28 @@ be replayed is refused on every rank at once, before any value is computed.
 from __future__ import annotations
 
 import contextlib
-import sys
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from scopedlite._comm.debug import call_site
 from scopedlite._comm.distributed import broadcast_any, gather_into_later
 from scopedlite._comm.replicas import reduce_rows
 from scopedlite._comm.wire import wire_dtype
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import overwrite_buffers
-from scopedlite._strategies.join_events import EventRecorder
-from scopedlite._strategies.join_members import models_in_join
-from scopedlite._strategies.join_message import (
+from scopedlite._strategies.join.collectives import (
+    PEER_LEFT,
+    JoinCollectives,
+    PeerLeftJoinError,
+    refuse_distributed_norms,
+    refuse_raw_collectives,
+)
+from scopedlite._strategies.join.events import EventRecorder
+from scopedlite._strategies.join.members import models_in_join
+from scopedlite._strategies.join.message import (
     LENGTH,
     MAX_EVENTS,
     Action,
@@ -81,30 +88,22 @@ from scopedlite._strategies.join_message import (
     Round,
     site_id,
 )
-from scopedlite._strategies.join_session import (
-    PEER_LEFT,
-    JoinCollectives,
-    PeerLeftJoinError,
-    refuse_distributed_norms,
-    refuse_raw_collectives,
-)
 
 if TYPE_CHECKING:
     from scopedlite._strategies.base import Strategy
-    from scopedlite._strategies.join_replayer import Replayer
+    from scopedlite._strategies.join.hook import JoinHook
 
-__all__ = ["PassCursor", "ReplaySession"]
+__all__ = ["PassCursor", "JoinSession"]
 
 _MAX_OUTPUTS = 48  # output tensors a mask can describe exactly in a float64
 _KEPT_FORWARDS = 8  # a serving rank keeps the replayed outputs of this many recent forwards
-_OUR_DIR = __file__.rsplit("_strategies", 1)[0]
 
 
 class _Announce(torch.autograd.Function):
     """Identity on a model's outputs; its backward announces the backward to serving ranks."""
 
     @staticmethod
-    def forward(ctx: Any, session: ReplaySession, index: int, seq: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, session: JoinSession, index: int, seq: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.session, ctx.index, ctx.seq = session, index, seq
         ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
@@ -122,7 +121,7 @@ class PassCursor:
     """One pass over a set-up loader inside the block: it starts the rounds when the shortest
     rank is about to run out, and counts the pass as ended on this rank."""
 
-    def __init__(self, session: ReplaySession, switch_at: int | None) -> None:
+    def __init__(self, session: JoinSession, switch_at: int | None) -> None:
         self.session = session
         self.switch_at = switch_at
         self.position = 0
@@ -144,29 +143,27 @@ class PassCursor:
         return self.switch_at is not None and self.position + 1 == self.switch_at
 
 
-class ReplaySession:
+class JoinSession:
     """The join session over a process group (see the module docstring)."""
 
     def __init__(
         self,
         strategy: Strategy,
-        replayer: Replayer,
+        hook: JoinHook,
         models: tuple[torch.nn.Module, ...],
         optimizers: tuple[torch.optim.Optimizer, ...],
         group: Any,
         replicas: tuple[int, ...] | None = None,
     ) -> None:
         self.strategy = strategy
-        self.replayer = replayer
+        self.hook = hook
         self.models = models
         self.optimizers = optimizers
         self.group = group  # where openers travel: a CPU (gloo) group
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
-        self.events = EventRecorder(
-            optimizers, tuple(m for _, m in replayer.zero_grad_owners()), replayer.records_steps
-        )
+        self.events = EventRecorder(optimizers, tuple(m for _, m in hook.zero_grad_owners()), hook.records_steps)
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
         self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
@@ -191,12 +188,12 @@ class ReplaySession:
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
-    def __enter__(self) -> ReplaySession:  # noqa: PYI034 - typing.Self needs Python 3.11
+    def __enter__(self) -> JoinSession:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
             self._stack.enter_context(
                 models_in_join(self.strategy.unwrap(m) for m in self.models)
             )  # asked by user methods
-            self._stack.enter_context(self.replayer.install(self))
+            self._stack.enter_context(self.hook.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._stack.enter_context(refuse_distributed_norms())
             self._stack.callback(self.events.close)
@@ -228,7 +225,7 @@ class ReplaySession:
 
     def _leave(self) -> None:
         if not self.rounds:  # every rank had data up to here: all leave together
-            self.replayer.finish(self.world_size - 1)
+            self.hook.finish(self.world_size - 1)
             return
         self.serving = True
         self.events.recording = False
@@ -255,7 +252,7 @@ class ReplaySession:
                 break
             self._replay(round_)
             first = False
-        self.replayer.finish(round_.authoritative())
+        self.hook.finish(round_.authoritative())
 
     def _abort_round(self) -> None:
         """Tell the other ranks that this one leaves the block by an exception.
@@ -283,8 +280,8 @@ class ReplaySession:
         self.serving = True  # its own hooks stay quiet, as on a rank that replays
         try:
             for index, outputs in self._unanswered.items():
-                sync = self.replayer.sync_flag(index)
-                self.replayer.backward(index, outputs, sync, sync and self.own_unsynced[index])
+                sync = self.hook.sync_flag(index)
+                self.hook.backward(index, outputs, sync, sync and self.own_unsynced[index])
         finally:
             self.serving = False
             self._unanswered.clear()
@@ -383,7 +380,7 @@ class ReplaySession:
     def _set_count(self, count: int) -> None:
         if count != self.count:
             self.count = count
-            self.replayer.active_count(count)
+            self.hook.active_count(count)
 
     def _needs(self) -> int:
         return sum(1 << i for i in range(len(self.models)) if i not in self.inputs)
@@ -407,7 +404,7 @@ class ReplaySession:
     def loader_pass(self, length: int | None) -> PassCursor:
         """A pass over a set-up loader begins with ``length`` batches on this rank (None:
         unknown): the ranks agree on their lengths, and run free while all have data."""
-        opener = Opener(Kind.PASS, site=_user_site(), length=-1 if length is None else length)
+        opener = Opener(Kind.PASS, site=site_id(call_site()), length=-1 if length is None else length)
         round_ = self._announce(opener) if self.rounds else self._free_round(opener)
         lengths = [round_.openers[r].length for r in round_.runners]
         if len(round_.runners) < self.world_size or min(lengths) <= 0:
@@ -432,10 +429,10 @@ class ReplaySession:
         if self.serving:
             return
         self.inputs[index] = (args, kwargs)
-        buffers = self.replayer.buffer_flag(index)
+        buffers = self.hook.buffer_flag(index)
         source = self.world_size - 1
         if self.rounds:
-            flag = int(torch.is_grad_enabled()) | int(self.replayer.sync_flag(index)) << 1 | int(buffers) << 2
+            flag = int(torch.is_grad_enabled()) | int(self.hook.sync_flag(index)) << 1 | int(buffers) << 2
             opener = Opener(Kind.FORWARD, index=index, flag=flag)
             self._settle()
             if self._may_post(index, buffers):
@@ -447,7 +444,7 @@ class ReplaySession:
                     self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
         if buffers:
-            self.replayer.sync_buffers(index, source)
+            self.hook.sync_buffers(index, source)
 
     def _may_post(self, index: int, buffers: bool) -> bool:
         """Whether the round of this forward may be read after it: every rank ran the last
@@ -460,7 +457,7 @@ class ReplaySession:
         return (
             self.lean
             and not buffers
-            and not self.replayer.forward_communicates
+            and not self.hook.forward_communicates
             and torch.is_grad_enabled()
             and self._forwards_together.get(index, 0) >= 2
             and len(self.events.pending) <= MAX_EVENTS
@@ -505,13 +502,13 @@ class ReplaySession:
                 "ran out of data, which run one backward per forward. Concatenate the inputs into "
                 "one forward, or call lite.backward after each forward."
             )
-        sync = self.replayer.sync_flag(index)
+        sync = self.hook.sync_flag(index)
         self.own_unsynced[index] = not sync
         self._unanswered.pop(index, None)
         self._settle()
         if self.rounds and not self.lean:
             self._announce(Opener(Kind.BACKWARD, index=index, flag=int(sync), mask=mask, seq=seq))
-        return self.replayer.output_scale(self.count)
+        return self.hook.output_scale(self.count)
 
     def before_step(self, index: int) -> None:
         """Announce a collective optimizer step (DeepSpeed's ``engine.step``)."""
@@ -545,7 +542,7 @@ class ReplaySession:
                 norm_type,
             )
             self._announce(Opener(Kind.CLIP, index=index, flag=model, values=values))
-        return self.replayer.clip(model, optimizer, max_norm, clip_val, norm_type)
+        return self.hook.clip(model, optimizer, max_norm, clip_val, norm_type)
 
     # -- our collectives ---------------------------------------------------------------------------
     def in_step(self) -> bool:
@@ -555,7 +552,7 @@ class ReplaySession:
         return not self.rounds
 
     def _announce_collective(self, header: Header) -> Round:
-        return self._announce(Opener(Kind.COLLECTIVE, site=_user_site(), header=header))
+        return self._announce(Opener(Kind.COLLECTIVE, site=site_id(call_site()), header=header))
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if not self.rounds:
@@ -611,23 +608,23 @@ class ReplaySession:
             args, kwargs = self.inputs[step.index]
             self.forwards += 1
             if step.flag & 4:  # the running ranks' buffers, as DDP under torch's Join
-                self.replayer.sync_buffers(step.index, max(round_.runners))
-            with _buffers_kept(self.replayer.module(step.index)), torch.set_grad_enabled(bool(step.flag & 1)):
-                self.replayer.forward(step.index, args, kwargs, bool(step.flag & 2))
+                self.hook.sync_buffers(step.index, max(round_.runners))
+            with _buffers_kept(self.hook.module(step.index)), torch.set_grad_enabled(bool(step.flag & 1)):
+                self.hook.forward(step.index, args, kwargs, bool(step.flag & 2))
         elif step.kind == Kind.BACKWARD:
             outputs = self.outputs.pop(step.seq, [])
             chosen = [t for i, t in enumerate(outputs) if step.mask >> i & 1]
             keep_own = bool(step.flag) and self.own_unsynced[step.index]
             if step.flag:
                 self.own_unsynced[step.index] = False
-            self.replayer.backward(step.index, chosen, bool(step.flag), keep_own)
+            self.hook.backward(step.index, chosen, bool(step.flag), keep_own)
         elif step.kind == Kind.STEP:
             if step.index < len(self.optimizers):
                 self.events.compare_lr(self.optimizers[step.index], step.values[0], self.rank)
-            self.replayer.step(step.index)
+            self.hook.step(step.index)
         elif step.kind == Kind.CLIP:
             max_norm, clip_val, norm_type = step.values
-            self.replayer.clip(
+            self.hook.clip(
                 step.flag,
                 self.optimizers[step.index],
                 max_norm if max_norm >= 0 else None,
@@ -662,13 +659,3 @@ def _buffers_kept(module: torch.nn.Module) -> Any:
         yield
     finally:
         overwrite_buffers(buffers, saved)
-
-
-def _user_site() -> int:
-    """The call site of the user's code that called into scopedlite (file:line)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_OUR_DIR):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return 0
-    return site_id(f"{frame.f_code.co_filename}:{frame.f_lineno}")

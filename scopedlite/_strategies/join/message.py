@@ -80,7 +80,7 @@ class Header:
     """What one of our collectives carries: enough for a serving rank to take part."""
 
     collective: int = 0  # REDUCE, GATHER, BROADCAST or BARRIER
-    op: int = 0  # index into join_session.OPS
+    op: int = 0  # index into collectives.OPS
     dtype: int = 0  # index into wire.DTYPES
     shape: tuple[int, ...] = ()
     src: int = 0

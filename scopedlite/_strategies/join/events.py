@@ -2,7 +2,7 @@
 
 ``optimizer.step()`` (where it is local: DDP, FSDP), ``optimizer.zero_grad()``, a set-up
 model's ``zero_grad()`` and ``scheduler.step()`` have no collective of their own. While some
-rank serves, the ranks still running record them as :class:`~join_message.Event` s, carried on
+rank serves, the ranks still running record them as :class:`~message.Event` s, carried on
 their next opener, and a serving rank applies them in order. Also here: the policing that
 keeps a serving rank's learning rates those of the running ranks.
 
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from scopedlite._strategies.join_message import Action, Event
+from scopedlite._strategies.join.message import Action, Event
 
 __all__ = ["EventRecorder", "wrap_method"]
 

@@ -3,8 +3,8 @@
 ``NoJoin`` (one process): nothing.
 
 ``JoinCollectives``: ``lite.all_reduce``/``all_gather``/``broadcast``/``barrier`` once some
-rank serves (``replay.py``). The session announces each one in a round whose openers carry
-its :class:`~join_message.Header` (kind, op, dtype, shape, source) and its call site; the
+rank serves (``session.py``). The session announces each one in a round whose openers carry
+its :class:`~message.Header` (kind, op, dtype, shape, source) and its call site; the
 running ranks have checked there that they all asked for the same thing, from the same
 line. Then the payload travels, and the ranks that serve take part with a neutral value:
 zero for sums and means, -inf/+inf (or the dtype's limits) for max/min, rows that are
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from scopedlite._comm.debug import PACKAGE_DIR
 from scopedlite._comm.payloads import keep
 from scopedlite._comm.replicas import one_per_replica
 from scopedlite._comm.wire import (
@@ -40,10 +41,10 @@ from scopedlite._comm.wire import (
     wire_dtype,
 )
 from scopedlite._strategies.base import REDUCE_OPS
-from scopedlite._strategies.join_message import BARRIER, BROADCAST, GATHER, REDUCE, Header
+from scopedlite._strategies.join.message import BARRIER, BROADCAST, GATHER, REDUCE, Header
 
 if TYPE_CHECKING:
-    from scopedlite._strategies.join_message import Round
+    from scopedlite._strategies.join.message import Round
 
 __all__ = [
     "JoinCollectives",
@@ -214,7 +215,6 @@ _DEEPSPEED_DIR = (
     else _TORCH_DIR
 )
 # The scopedlite package (this file is in scopedlite/_strategies/).
-_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _EQUIVALENT = {
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
@@ -233,7 +233,7 @@ def refuse_raw_collectives() -> Any:
     """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
     scopedlite raises at once instead of hanging.
 
-    The ranks that ran out of data serve the join session's rounds (``replay.py``), which
+    The ranks that ran out of data serve the join session's rounds (``session.py``), which
     replay the models' steps and answer our collectives only; a raw collective on an active
     rank would wait for them until the timeout (30 minutes by default), silently. Calls from
     torch's own code (DDP's gradient all-reduce, FSDP's gathers), DeepSpeed's and ours go
@@ -294,7 +294,7 @@ def _user_caller() -> Any:
     caller = sys._getframe(2)
     return (
         None
-        if os.path.abspath(caller.f_code.co_filename).startswith((_TORCH_DIR, _OUR_DIR, _DEEPSPEED_DIR))
+        if os.path.abspath(caller.f_code.co_filename).startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR))
         else caller
     )
 
@@ -348,7 +348,7 @@ def _guarded(name: str, original: Any) -> Any:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
         path = os.path.abspath(caller.f_code.co_filename)
-        if not path.startswith((_TORCH_DIR, _OUR_DIR, _DEEPSPEED_DIR)):
+        if not path.startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR)):
             ours = _EQUIVALENT.get(name)
             instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
             raise RuntimeError(
