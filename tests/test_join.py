@@ -6,6 +6,7 @@ against a single-process replay of the same data and sharding.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -42,7 +43,7 @@ def test_join_uneven(script, strategy, world, configs):
 
 
 def _check_free_when_even(rounds, world):
-    """Over a set-up loader on even data, one round (an all-gather of openers) when the pass
+    """Over a set-up loader on even data, one round (an all-gather of every rank's step message) when the pass
     begins and none per step: 5 steps cost what 2 do. Over a plain list, one round per step
     (at its forward: none at its backward) and one at the end: 3 steps more cost 3 rounds
     more. One device: no round at all."""
@@ -392,31 +393,42 @@ def test_a_replay_that_does_not_mirror_the_optimizer_step_is_caught(script):
     assert worst > 1e-3
 
 
-def test_an_opener_encodes_and_decodes_itself():
-    """The wire message of the join protocol: every field survives the float64 row."""
-    from scopedlite._strategies.join.message import LENGTH, Action, Event, Header, Kind, Opener, Round
+def test_a_step_message_encodes_and_decodes_itself():
+    """The wire message of the join protocol: every field survives the float64 row, None too,
+    and only the step's own fields (not a rank's bookkeeping) decide whether ranks agree."""
+    from scopedlite._strategies.join.message import LENGTH, Action, Event, Header, Kind, Round, Step
 
-    opener = Opener(
+    said = Step(
         Kind.COLLECTIVE,
         site=2**31 - 5,
-        index=3,
-        flag=6,
+        model=3,
+        optimizer=2,
+        grad=True,
+        sync=False,
+        buffers=True,
         mask=2**47 + 1,
         seq=12345,
+        lr=0.30000000000000004,
+        max_norm=None,
+        clip_val=-0.5,
+        norm_type=float("inf"),
         ended=2,
         reports=True,
         needs=5,
         length=-1,
-        values=(0.125, -1.0, float("inf")),
+        scheduler_steps=7,
         header=Header(1, 2, 4, (3, 1, 7), 1, 2),
         events=(Event(Action.OPTIMIZER_STEP, 1, 0.30000000000000004), Event(Action.SCHEDULER_STEP, 0)),
     )
-    row = opener.encode()
+    row = said.encode()
     assert len(row) == LENGTH
-    assert Opener.decode(row) == opener
-    left = Opener(Kind.LEFT, ended=3)
-    round_ = Round([row, left.encode(), Opener(Kind.COLLECTIVE, site=7, ended=2).encode()])
+    assert Step.decode(row) == said
+    assert Step.decode(Step(Kind.CLIP, max_norm=1.0).encode()).max_norm == 1.0
+    assert said.with_events((), False, 0, 0).key() == said.key()  # bookkeeping: not the step
+    assert dataclasses.replace(said, sync=True).key() != said.key()
+    left = Step(Kind.LEFT, ended=3)
+    round_ = Round([row, left.encode(), Step(Kind.COLLECTIVE, site=7, ended=2).encode()])
     assert round_.alive == [0, 2] and round_.runners == [0, 2] and round_.waiters == []
     assert "different steps" in round_.disagreement()  # another call site: never matched
-    ahead = Round([Opener(Kind.FORWARD, ended=0).encode(), Opener(Kind.COLLECTIVE, site=7, ended=1).encode()])
+    ahead = Round([Step(Kind.FORWARD, ended=0).encode(), Step(Kind.COLLECTIVE, site=7, ended=1).encode()])
     assert ahead.runners == [0] and ahead.waiters == [1] and ahead.disagreement() is None

@@ -381,18 +381,18 @@ def test_one_process_is_its_own_single_share():
 def test_a_replica_runs_waits_and_leaves_as_one():
     """lite.join's verdict on a round: the ranks of one data-parallel replica (here ranks 0-1
     and 2-3) must be in the same state, announcing the same step, or every rank refuses."""
-    from scopedlite._strategies.join.message import Kind, Opener, Round
+    from scopedlite._strategies.join.message import Kind, Round, Step
 
     replicas = (0, 0, 1, 1)
-    forward, left = Opener(Kind.FORWARD).encode(), Opener(Kind.LEFT).encode()
+    forward, left = Step(Kind.FORWARD).encode(), Step(Kind.LEFT).encode()
     assert Round([forward, forward, left, left]).replica_problem(replicas) is None  # replica 1 serves
     assert Round([forward] * 4).replica_problem(replicas) is None
     assert Round([left, forward, left, left]).replica_problem((0, 1, 2, 3)) is None  # one rank, one replica
     split = Round([forward, forward, left, forward]).replica_problem(replicas)
     assert "replica 1 (ranks 2, 3) are not in step (rank 2: left the block; rank 3: a forward of model 0)" in split
-    passes = [Opener(Kind.PASS, length=n).encode() for n in (5, 5, 3, 2)]  # the lengths agreed at a pass
+    passes = [Step(Kind.PASS, length=n).encode() for n in (5, 5, 3, 2)]  # the lengths agreed at a pass
     assert "rank 2: a new pass over a loader at site #0 of 3 batches; rank 3: a new pass" in Round(
         passes
     ).replica_problem(replicas)
-    waiting = [forward, forward, Opener(Kind.COLLECTIVE, ended=1).encode(), forward]  # rank 2 ahead of rank 3
+    waiting = [forward, forward, Step(Kind.COLLECTIVE, ended=1).encode(), forward]  # rank 2 ahead of rank 3
     assert "rank 2: waits at a lite collective" in Round(waiting).replica_problem(replicas)

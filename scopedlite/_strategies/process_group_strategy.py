@@ -150,7 +150,7 @@ class ProcessGroupStrategy(Strategy):
         chosen = tuple(joinables) or tuple(models)
         optimizers = self.join_optimizers(chosen)
         hook = self.join_hook(chosen, optimizers, divide_by_initial_world_size)
-        return JoinSession(self, hook, chosen, optimizers, self._openers_group(), self.join_replicas())
+        return JoinSession(self, hook, chosen, optimizers, self._rounds_group(), self.join_replicas())
 
     def join_models(self) -> list[torch.nn.Module]:
         """The models set up in this run and still referenced, in setup order."""
@@ -184,8 +184,8 @@ class ProcessGroupStrategy(Strategy):
             if o is not None and any(id(p) in params for group in o.param_groups for p in group["params"])
         )
 
-    def _openers_group(self) -> Any:
-        """Where the join protocol's openers travel: a CPU group, so that no round waits for
+    def _rounds_group(self) -> Any:
+        """Where the join protocol's rounds travel: a CPU group, so that no round waits for
         the device (under NCCL a gloo group beside it, created at the first join)."""
         if self._backend != "nccl":
             return None

@@ -82,7 +82,7 @@ def run_config(rank, n, batch_size, divide):
 
 def gathers_during(fn) -> int:
     """How many all-gathers this rank ran during ``fn()`` (torch's profiler sees every c10d op):
-    the join protocol's rounds, each one all-gather of every rank's opener."""
+    the join protocol's rounds, each one all-gather of every rank's step message."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

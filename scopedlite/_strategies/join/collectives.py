@@ -3,7 +3,7 @@
 ``NoJoin`` (one process): nothing.
 
 ``JoinCollectives``: ``lite.all_reduce``/``all_gather``/``broadcast``/``barrier`` once some
-rank serves (``session.py``). The session announces each one in a round whose openers carry
+rank serves (``session.py``). The session announces each one in a round whose step messages carry
 its :class:`~message.Header` (kind, op, dtype, shape, source) and its call site; the
 running ranks have checked there that they all asked for the same thing, from the same
 line. Then the payload travels, and the ranks that serve take part with a neutral value:
@@ -143,7 +143,7 @@ class JoinCollectives:
                 "data and left the join block, so it cannot send. Broadcast from a rank that "
                 "stays active (e.g. before the loop), or after the join block."
             )
-        source = round_.openers[src].header
+        source = round_.steps[src].header
         if payload is None:
             payload = torch.empty(source.shape, dtype=source.torch_dtype, device=self.device)
         dist.broadcast(payload, src=src)
@@ -169,7 +169,7 @@ class JoinCollectives:
             dist.all_gather(parts, zeros)
             keep(zeros, *parts)
         elif header.collective == BROADCAST and header.src in round_.runners:
-            source = round_.openers[header.src].header
+            source = round_.steps[header.src].header
             received = torch.empty(source.shape, dtype=source.torch_dtype, device=self.device)
             dist.broadcast(received, src=header.src)
             keep(received)

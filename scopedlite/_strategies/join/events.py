@@ -3,7 +3,7 @@
 ``optimizer.step()`` (where it is local: DDP, FSDP), ``optimizer.zero_grad()``, a set-up
 model's ``zero_grad()`` and ``scheduler.step()`` have no collective of their own. While some
 rank serves, the ranks still running record them as :class:`~message.Event` s, carried on
-their next opener, and a serving rank applies them in order. Also here: the policing that
+their next step message, and a serving rank applies them in order. Also here: the policing that
 keeps a serving rank's learning rates those of the running ranks.
 
 LR schedulers hold their optimizer but the optimizer does not know them. They are found once

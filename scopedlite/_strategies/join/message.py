@@ -1,6 +1,6 @@
 """The join session's wire message: what each rank says at the start of a round.
 
-Every round of ``lite.join``'s protocol opens with an all-gather of one :class:`Opener` per
+Every round of ``lite.join``'s protocol opens with an all-gather of one :class:`Step` per
 rank, so every rank reads what every other rank is about to do, and all of them reach the
 same verdict from the same rows (:class:`Round`). The message is a fixed-size float64
 vector: integers up to 2**53 travel exactly, and it encodes and decodes itself.
@@ -9,9 +9,11 @@ vector: integers up to 2**53 travel exactly, and it encodes and decodes itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Callable
 
 import torch
 
@@ -26,9 +28,9 @@ __all__ = [
     "GATHER",
     "Header",
     "Kind",
-    "Opener",
     "REDUCE",
     "Round",
+    "Step",
     "LENGTH",
     "MAX_EVENTS",
 ]
@@ -47,7 +49,7 @@ class Kind(IntEnum):
     COLLECTIVE = 5  # one of our collectives (its header travels with it)
     PASS = 6  # a pass over a loader from setup_dataloader begins
     ABORT = 7  # this rank leaves the block by an exception
-    EVENTS = 8  # only events: more than one opener carries
+    EVENTS = 8  # only events: more than one said carries
 
 
 class Action(IntEnum):
@@ -106,87 +108,66 @@ _COLLECTIVE_NAMES = {
     BROADCAST: "lite.broadcast",
     BARRIER: "lite.barrier",
 }
-MAX_EVENTS = 6  # events carried by one opener; more open rounds of their own
-_FIXED = 13  # kind ... length (10 integers), then the 3 values
-_VALUES_AT = 10
-_HEADER_AT = _FIXED  # collective, op, dtype, src, payload, ndim, shape...
-_EVENTS_AT = _HEADER_AT + 6 + MAX_DIMS
-LENGTH = _EVENTS_AT + 1 + 3 * MAX_EVENTS
+MAX_EVENTS = 6  # events carried by one step message; more open rounds of their own
+_OWN = {"own": True}  # a field of a rank's own bookkeeping, not of the step the ranks agree on
 
 
 @dataclass(frozen=True)
-class Opener:
-    """One rank's announcement (see the module docstring)."""
+class Step:
+    """One rank's message at the start of a round: what it does next (see the module docstring).
+
+    Each field has one meaning; those of the step itself are what ranks doing the same step
+    announce alike (:meth:`key`), those marked own are each rank's bookkeeping. It encodes to
+    a fixed-size float64 row, field by field in declaration order (``None`` as NaN), then the
+    collective's header, then the events.
+    """
 
     kind: Kind
     site: int = 0  # where: a collective's call site, a pass's loader
-    index: int = 0  # which model (or optimizer)
-    flag: int = 0  # FORWARD: grad mode | sync << 1 | buffers << 2; BACKWARD: sync
+    model: int = 0  # FORWARD, BACKWARD, STEP, CLIP: which model of the block
+    optimizer: int = 0  # CLIP: which optimizer of the block
+    grad: bool = False  # FORWARD: under torch.is_grad_enabled()
+    sync: bool = False  # FORWARD, BACKWARD: the backward synchronises gradients
+    buffers: bool = False  # FORWARD: DDP broadcasts the buffers first
     mask: int = 0  # BACKWARD: which outputs received a gradient
     seq: int = 0  # BACKWARD: which forward
-    ended: int = 0  # passes of set-up loaders this rank finished inside the block
-    reports: bool = False  # ``events`` are what this rank ran itself since its last round
-    needs: int = 0  # bit m: this rank has no input of model m to replay with
-    length: int = -1  # PASS: this rank's batches in the pass (-1: not known)
-    values: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    header: Header = field(default_factory=Header)
-    events: tuple[Event, ...] = ()
+    lr: float = 0.0  # STEP: the sum of the optimizer's learning rates
+    max_norm: float | None = None  # CLIP
+    clip_val: float | None = None  # CLIP
+    norm_type: float = 2.0  # CLIP
+    ended: int = field(default=0, metadata=_OWN)  # passes of set-up loaders finished inside the block
+    reports: bool = field(default=False, metadata=_OWN)  # ``events``: what this rank ran since its last round
+    needs: int = field(default=0, metadata=_OWN)  # bit m: this rank has no input of model m to replay with
+    length: int = field(default=-1, metadata=_OWN)  # PASS: this rank's batches in the pass (-1: not known)
+    scheduler_steps: int = field(default=0, metadata=_OWN)  # LEFT: how often its schedulers stepped
+    header: Header = field(default_factory=Header)  # COLLECTIVE
+    events: tuple[Event, ...] = field(default=(), metadata=_OWN)
 
     def encode(self) -> list[float]:
-        row = [0.0] * LENGTH
-        row[:_FIXED] = [
-            self.kind,
-            self.site,
-            self.index,
-            self.flag,
-            self.mask,
-            self.seq,
-            self.ended,
-            self.reports,
-            self.needs,
-            self.length,
-            *self.values,
-        ]
+        row = [_to_float(getattr(self, f.name)) for f in _SCALARS]
         h = self.header
-        row[_HEADER_AT : _HEADER_AT + 6] = [h.collective, h.op, h.dtype, h.src, h.payload, len(h.shape)]
-        row[_HEADER_AT + 6 : _HEADER_AT + 6 + len(h.shape)] = h.shape
-        row[_EVENTS_AT] = len(self.events)
-        for k, event in enumerate(self.events):
-            row[_EVENTS_AT + 1 + 3 * k : _EVENTS_AT + 4 + 3 * k] = [event.action, event.index, event.value]
-        return row
+        row += [h.collective, h.op, h.dtype, h.src, h.payload, len(h.shape), *h.shape]
+        row += [0.0] * (_EVENTS_AT - len(row)) + [len(self.events)]
+        for event in self.events:
+            row += [event.action, event.index, event.value]
+        return row + [0.0] * (LENGTH - len(row))
 
     @classmethod
-    def decode(cls, row: list[float]) -> Opener:
-        i = [0 if _VALUES_AT <= k < _FIXED else round(v) for k, v in enumerate(row[: _EVENTS_AT + 1])]
-        h = i[_HEADER_AT : _HEADER_AT + 6]
-        header = Header(h[0], h[1], h[2], tuple(i[_HEADER_AT + 6 : _HEADER_AT + 6 + h[5]]), h[3], h[4])
+    def decode(cls, row: list[float]) -> Step:
+        scalars = {f.name: _FROM_FLOAT[f.type](v) for f, v in zip(_SCALARS, row)}
+        h = [round(v) for v in row[_HEADER_AT : _HEADER_AT + 6]]
+        shape = tuple(round(v) for v in row[_HEADER_AT + 6 : _HEADER_AT + 6 + h[5]])
+        header = Header(collective=h[0], op=h[1], dtype=h[2], shape=shape, src=h[3], payload=h[4])
+        at = _EVENTS_AT + 1
         events = tuple(
-            Event(
-                Action(round(row[_EVENTS_AT + 1 + 3 * k])),
-                round(row[_EVENTS_AT + 2 + 3 * k]),
-                row[_EVENTS_AT + 3 + 3 * k],
-            )
-            for k in range(i[_EVENTS_AT])
+            Event(Action(round(row[k])), round(row[k + 1]), row[k + 2])
+            for k in range(at, at + 3 * round(row[_EVENTS_AT]), 3)
         )
-        return cls(
-            Kind(i[0]),
-            i[1],
-            i[2],
-            i[3],
-            i[4],
-            i[5],
-            i[6],
-            bool(i[7]),
-            i[8],
-            i[9],
-            (row[_VALUES_AT], row[_VALUES_AT + 1], row[_VALUES_AT + 2]),
-            header,
-            events,
-        )
+        return cls(**scalars, header=header, events=events)
 
-    def step_key(self) -> tuple[object, ...]:
+    def key(self) -> tuple[object, ...]:
         """What ranks doing the same step announce alike (not their own bookkeeping)."""
-        return (self.kind, self.site, self.index, self.flag, self.mask, self.seq, self.values, self._header_key())
+        return (*(getattr(self, f.name) for f in _SCALARS if not f.metadata), self._header_key())
 
     def _header_key(self) -> tuple[object, ...]:
         if self.kind != Kind.COLLECTIVE:
@@ -194,25 +175,43 @@ class Opener:
         h = self.header
         return (h.collective, h.src) if h.collective == BROADCAST else (h.collective, h.op, h.dtype, h.shape)
 
-    def with_events(self, events: tuple[Event, ...], reports: bool, ended: int, needs: int = 0) -> Opener:
+    def with_events(self, events: tuple[Event, ...], reports: bool, ended: int, needs: int = 0) -> Step:
         return dataclasses.replace(self, events=events, reports=reports, ended=ended, needs=needs)
 
     def describe(self) -> str:
         if self.kind == Kind.FORWARD:
-            return f"a forward of model {self.index}"
+            return f"a forward of model {self.model}"
         if self.kind == Kind.BACKWARD:
-            return f"a backward of model {self.index}"
+            return f"a backward of model {self.model}"
         if self.kind == Kind.COLLECTIVE:
             return f"{self.header.describe()} at {site_name(self.site)}"
         if self.kind == Kind.PASS:
             return f"a new pass over a loader at {site_name(self.site)}"
         return {
             Kind.LEFT: "the end of the block",
-            Kind.STEP: f"optimizer step of model {self.index}",
+            Kind.STEP: f"optimizer step of model {self.model}",
             Kind.CLIP: "lite.clip_gradients",
             Kind.ABORT: "an exception",
             Kind.EVENTS: "optimizer/scheduler calls",
         }[self.kind]
+
+
+def _to_float(value: object) -> float:
+    return math.nan if value is None else float(value)  # type: ignore[arg-type]
+
+
+# How each scalar field comes back from its float (the annotations are strings here).
+_FROM_FLOAT: dict[object, Callable[[float], object]] = {
+    "Kind": lambda v: Kind(round(v)),
+    "int": round,
+    "bool": lambda v: bool(round(v)),
+    "float": float,
+    "float | None": lambda v: None if math.isnan(v) else v,
+}
+_SCALARS = [f for f in dataclasses.fields(Step) if f.type in _FROM_FLOAT]
+_HEADER_AT = len(_SCALARS)  # collective, op, dtype, src, payload, ndim, shape...
+_EVENTS_AT = _HEADER_AT + 6 + MAX_DIMS  # the count, then (action, index, value) each
+LENGTH = _EVENTS_AT + 1 + 3 * MAX_EVENTS
 
 
 # Call sites travel as small integers; each rank keeps the names of the ones it saw.
@@ -231,42 +230,40 @@ def site_name(value: int) -> str:
 
 
 class Round:
-    """The openers of every rank in one round, and what they decide."""
+    """The step messages of every rank in one round, and what they decide."""
 
     def __init__(self, rows: list[list[float]]) -> None:
-        self.openers = [Opener.decode(row) for row in rows]
-        self.aborted = any(o.kind == Kind.ABORT for o in self.openers)
-        alive = [r for r, o in enumerate(self.openers) if o.kind != Kind.LEFT]
+        self.steps = [Step.decode(row) for row in rows]
+        self.aborted = any(o.kind == Kind.ABORT for o in self.steps)
+        alive = [r for r, o in enumerate(self.steps) if o.kind != Kind.LEFT]
         self.alive = alive
-        lowest = min((self.openers[r].ended for r in alive), default=0)
+        lowest = min((self.steps[r].ended for r in alive), default=0)
         # Ranks that finished more loader passes than others are past the point the others
         # are at: they wait (serving) until the others catch up.
-        self.runners = [r for r in alive if self.openers[r].ended == lowest]
-        self.waiters = [r for r in alive if self.openers[r].ended != lowest]
+        self.runners = [r for r in alive if self.steps[r].ended == lowest]
+        self.waiters = [r for r in alive if self.steps[r].ended != lowest]
 
     @property
     def over(self) -> bool:
         return not self.alive
 
     @property
-    def step(self) -> Opener:
+    def step(self) -> Step:
         """The announcement the runners agreed on."""
-        return self.openers[self.runners[0]]
+        return self.steps[self.runners[0]]
 
     def _same_collective_other_tensors(self) -> bool:
         """Every running rank is in the same reduce or gather, from the same line, but with
         another tensor (shape or dtype)."""
-        openers = [self.openers[r] for r in self.runners]
-        calls = {(o.kind, o.site, o.header.collective, o.header.op) for o in openers}
-        return (
-            len(calls) == 1 and openers[0].kind == Kind.COLLECTIVE and openers[0].header.collective in (REDUCE, GATHER)
-        )
+        said = [self.steps[r] for r in self.runners]
+        calls = {(o.kind, o.site, o.header.collective, o.header.op) for o in said}
+        return len(calls) == 1 and said[0].kind == Kind.COLLECTIVE and said[0].header.collective in (REDUCE, GATHER)
 
     def disagreement(self) -> str | None:
         """Why this round cannot go on, or None."""
-        keys = {self.openers[r].step_key() for r in self.runners}
+        keys = {self.steps[r].key() for r in self.runners}
         if len(keys) > 1 and self._same_collective_other_tensors():
-            described = "\n".join(f"  rank {r}: {self.openers[r].describe()}" for r in self.runners)
+            described = "\n".join(f"  rank {r}: {self.steps[r].describe()}" for r in self.runners)
             return (
                 "Inside lite.join the ranks still active called the same collective with tensors "
                 "of different shapes or dtypes, so they cannot exchange them (torch.distributed "
@@ -276,8 +273,8 @@ class Round:
                 "different lengths."
             )
         if len(keys) > 1:
-            described = "; ".join(f"rank {r}: {self.openers[r].describe()}" for r in self.runners)
-            after_loop = any(self.openers[r].kind == Kind.COLLECTIVE for r in self.runners)
+            described = "; ".join(f"rank {r}: {self.steps[r].describe()}" for r in self.runners)
+            after_loop = any(self.steps[r].kind == Kind.COLLECTIVE for r in self.runners)
             return (
                 "Inside lite.join the ranks still active announced different steps "
                 f"({described}). Every active rank must run the same sequence of forwards, "
@@ -294,10 +291,10 @@ class Round:
                 )
             )
         for r in self.waiters:
-            if self.openers[r].kind not in (Kind.COLLECTIVE, Kind.PASS):
+            if self.steps[r].kind not in (Kind.COLLECTIVE, Kind.PASS):
                 return (
                     f"Inside lite.join rank {r} finished its pass over the loader and then ran "
-                    f"{self.openers[r].describe()} while rank(s) {', '.join(map(str, self.runners))} "
+                    f"{self.steps[r].describe()} while rank(s) {', '.join(map(str, self.runners))} "
                     f"still iterate ({self.step.describe()}). After its loop a rank may call lite "
                     "collectives (it waits for the others there) or leave the block; run "
                     "anything else after the `with lite.join(...)` block."
@@ -331,18 +328,16 @@ class Round:
         return None
 
     def _state(self, rank: int) -> tuple[object, ...]:
-        opener = self.openers[rank]
-        if opener.kind == Kind.LEFT:
+        said = self.steps[rank]
+        if said.kind == Kind.LEFT:
             return (Kind.LEFT,)
-        return (rank in self.runners, opener.step_key(), opener.length)
+        return (rank in self.runners, said.key(), said.length)
 
     def _doing(self, rank: int) -> str:
-        opener = self.openers[rank]
-        if opener.kind == Kind.LEFT:
+        said = self.steps[rank]
+        if said.kind == Kind.LEFT:
             return "left the block"
-        what = opener.describe() + (
-            f" of {opener.length} batches" if opener.kind == Kind.PASS and opener.length >= 0 else ""
-        )
+        what = said.describe() + (f" of {said.length} batches" if said.kind == Kind.PASS and said.length >= 0 else "")
         return what if rank in self.runners else f"waits at {what}"
 
     def events_problem(self) -> str | None:
@@ -352,7 +347,7 @@ class Round:
         running since its last round reports what it did before it stopped: the start of it.
         """
         reference = self.reference_events()
-        lists = {r: o.events for r, o in enumerate(self.openers) if o.reports}
+        lists = {r: o.events for r, o in enumerate(self.steps) if o.reports}
         fits = all(
             events == reference if r in self.runners else events == reference[: len(events)]
             for r, events in lists.items()
@@ -371,11 +366,11 @@ class Round:
 
     def reference_events(self) -> tuple[Event, ...]:
         """What the ranks that ran since the last round did."""
-        return max((o.events for o in self.openers if o.reports), key=len, default=())
+        return max((o.events for o in self.steps if o.reports), key=len, default=())
 
     def events_to_apply(self, rank: int) -> tuple[Event, ...]:
         """The events rank ``rank`` replays: those it did not do itself."""
-        mine = self.openers[rank]
+        mine = self.steps[rank]
         if mine.reports and rank in self.runners:
             return ()
         reference = self.reference_events()
@@ -383,5 +378,5 @@ class Round:
 
     def authoritative(self) -> int:
         """The highest of the ranks that ran last (torch's last joiner)."""
-        reporting = [r for r, o in enumerate(self.openers) if o.reports]
-        return max(reporting) if reporting else len(self.openers) - 1
+        reporting = [r for r, o in enumerate(self.steps) if o.reports]
+        return max(reporting) if reporting else len(self.steps) - 1

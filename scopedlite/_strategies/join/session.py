@@ -15,11 +15,11 @@ The roles, as in torch's ``join.py``:
   rank has left.
 - :class:`JoinHook`: one small class per backend (``ddp/join.py``, ``fsdp/join.py``,
   ``deepspeed/join.py``): its hooks, and how it replays.
-- :class:`~message.Opener` / :class:`~message.Round`: the message each rank sends at
+- :class:`~message.Step` / :class:`~message.Round`: the message each rank sends at
   the start of a round (an all-gather, on a CPU group under NCCL) and the verdict every rank
   reads from all of them alike.
 - :class:`~events.EventRecorder`: local actions (``optimizer.step``, ``zero_grad``,
-  ``scheduler.step``) carried on the next opener and applied in order by the ranks serving.
+  ``scheduler.step``) carried on the next message and applied in order by the ranks serving.
 - :class:`~collectives.JoinCollectives`: our collectives' payloads, with neutral values from
   the ranks serving.
 
@@ -84,8 +84,8 @@ from scopedlite._strategies.join.message import (
     Action,
     Header,
     Kind,
-    Opener,
     Round,
+    Step,
     site_id,
 )
 
@@ -159,7 +159,7 @@ class JoinSession:
         self.hook = hook
         self.models = models
         self.optimizers = optimizers
-        self.group = group  # where openers travel: a CPU (gloo) group
+        self.group = group  # where the step messages travel: a CPU (gloo) group
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
@@ -238,15 +238,15 @@ class JoinSession:
                     f"optimizer/scheduler methods after its last forward; at most {MAX_EVENTS} can "
                     "be reported to the other ranks. Move them after the `with lite.join(...)` block."
                 )
-            opener = Opener(
+            said = Step(
                 Kind.LEFT,
                 ended=self.ended,
                 reports=first,
                 needs=self._needs(),
                 events=events,
-                values=(float(self.events.scheduler_steps()), 0.0, 0.0),
+                scheduler_steps=self.events.scheduler_steps(),
             )
-            round_ = self._round(opener)
+            round_ = self._round(said)
             if round_.over:
                 self._check_schedulers(round_)
                 break
@@ -259,7 +259,7 @@ class JoinSession:
 
         They wait in a round for steps this rank will never announce; were it to catch the
         exception and go on, its next collective would be taken for one of the protocol's.
-        One ABORT opener makes every rank that reads it raise :class:`PeerLeftJoinError`,
+        One ABORT message makes every rank that reads it raise :class:`PeerLeftJoinError`,
         all of them in step.
         """
         try:
@@ -269,7 +269,7 @@ class JoinSession:
         if self.lean:
             self._answer_backwards()
         try:
-            self._exchange(Opener(Kind.ABORT))
+            self._exchange(Step(Kind.ABORT))
         except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
             pass
 
@@ -287,22 +287,22 @@ class JoinSession:
             self._unanswered.clear()
 
     # -- rounds --------------------------------------------------------------------------------------
-    def _open(self, opener: Opener) -> tuple[Callable[[], None], torch.Tensor]:
-        """Start the all-gather of every rank's opener: (the function that waits for it, the rows)."""
+    def _open(self, said: Step) -> tuple[Callable[[], None], torch.Tensor]:
+        """Start the all-gather of every rank's step: (the function that waits for it, the rows)."""
         self._settle()  # rounds are read in order
         self.strategy.note_collective()  # a rank evaluating alone under FSDP learns we are here
-        row = torch.tensor(opener.encode(), dtype=torch.float64)
+        row = torch.tensor(said.encode(), dtype=torch.float64)
         rows = torch.empty(self.world_size * LENGTH, dtype=torch.float64)
         return gather_into_later(rows, row, group=self.group), rows
 
-    def _exchange(self, opener: Opener) -> Round:
-        wait, rows = self._open(opener)
+    def _exchange(self, said: Step) -> Round:
+        wait, rows = self._open(said)
         wait()
         return Round(rows.view(self.world_size, LENGTH).tolist())
 
-    def _post(self, opener: Opener) -> None:
+    def _post(self, said: Step) -> None:
         """Open a round without waiting for it; :meth:`_settle` reads it."""
-        self._posted = self._open(opener)
+        self._posted = self._open(said)
 
     def _settle(self) -> None:
         """Wait for the round a forward opened without waiting, and read it as any round.
@@ -325,10 +325,10 @@ class JoinSession:
             with contextlib.suppress(Exception):  # the block's own exception is the one to report
                 wait()
 
-    def _round(self, opener: Opener) -> Round:
-        """One round: every rank's opener, checked; on a serving rank, the events of the
+    def _round(self, said: Step) -> Round:
+        """One round: every rank's step, checked; on a serving rank, the events of the
         ranks that ran since the last round applied."""
-        return self._read(self._exchange(opener))
+        return self._read(self._exchange(said))
 
     def _read(self, round_: Round) -> Round:
         if round_.aborted:
@@ -341,8 +341,8 @@ class JoinSession:
             return round_
         self._set_count(len({self.replicas[r] for r in round_.runners}))
         self.lean = len(round_.runners) == self.world_size
-        if self.lean and round_.step.kind == Kind.FORWARD and round_.step.flag & 1:
-            index = round_.step.index
+        if self.lean and round_.step.kind == Kind.FORWARD and round_.step.grad:
+            index = round_.step.model
             self._forwards_together[index] = self._forwards_together.get(index, 0) + 1
         if not self._recording_started and round_.step.kind != Kind.PASS:
             self._recording_started = True  # a rank may serve from here: record (once per block)
@@ -356,16 +356,16 @@ class JoinSession:
             self._refused = True
             raise RuntimeError(problem)
 
-    def _announce(self, opener: Opener) -> Round:
+    def _announce(self, said: Step) -> Round:
         """Run a round as a running rank; wait (serving) while it is ahead of the others."""
         while len(self.events.pending) > MAX_EVENTS:
-            self._round(Opener(Kind.EVENTS, ended=self.ended, reports=True, events=self.events.take(MAX_EVENTS)))
+            self._round(Step(Kind.EVENTS, ended=self.ended, reports=True, events=self.events.take(MAX_EVENTS)))
         reports = True
         try:
             while True:
                 events = self.events.take(MAX_EVENTS) if reports else ()
                 # needs: a rank that waits here with no batch yet replays from an example
-                round_ = self._round(opener.with_events(events, reports, self.ended, self._needs()))
+                round_ = self._round(said.with_events(events, reports, self.ended, self._needs()))
                 if self.rank in round_.runners:
                     return round_
                 self.serving = True  # ahead of the others: serve them until they get here
@@ -404,9 +404,9 @@ class JoinSession:
     def loader_pass(self, length: int | None) -> PassCursor:
         """A pass over a set-up loader begins with ``length`` batches on this rank (None:
         unknown): the ranks agree on their lengths, and run free while all have data."""
-        opener = Opener(Kind.PASS, site=site_id(call_site()), length=-1 if length is None else length)
-        round_ = self._announce(opener) if self.rounds else self._free_round(opener)
-        lengths = [round_.openers[r].length for r in round_.runners]
+        said = Step(Kind.PASS, site=site_id(call_site()), length=-1 if length is None else length)
+        round_ = self._announce(said) if self.rounds else self._free_round(said)
+        lengths = [round_.steps[r].length for r in round_.runners]
         if len(round_.runners) < self.world_size or min(lengths) <= 0:
             self.start_rounds()
             return PassCursor(self, None)  # rounds from here: every step is shared anyway
@@ -418,8 +418,8 @@ class JoinSession:
         self.passes.add(cursor)
         return cursor
 
-    def _free_round(self, opener: Opener) -> Round:
-        round_ = self._exchange(opener.with_events((), True, self.ended))
+    def _free_round(self, said: Step) -> Round:
+        round_ = self._exchange(said.with_events((), True, self.ended))
         self._refuse(round_.disagreement() or round_.replica_problem(self.replicas))
         return round_
 
@@ -432,15 +432,20 @@ class JoinSession:
         buffers = self.hook.buffer_flag(index)
         source = self.world_size - 1
         if self.rounds:
-            flag = int(torch.is_grad_enabled()) | int(self.hook.sync_flag(index)) << 1 | int(buffers) << 2
-            opener = Opener(Kind.FORWARD, index=index, flag=flag)
+            said = Step(
+                Kind.FORWARD,
+                model=index,
+                grad=torch.is_grad_enabled(),
+                sync=self.hook.sync_flag(index),
+                buffers=buffers,
+            )
             self._settle()
             if self._may_post(index, buffers):
-                self._post(opener.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
+                self._post(said.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
             else:
-                round_ = self._announce(opener)
+                round_ = self._announce(said)
                 source = max(round_.runners)
-                if any(o.needs >> index & 1 for o in round_.openers):
+                if any(o.needs >> index & 1 for o in round_.steps):
                     self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
         if buffers:
@@ -507,7 +512,7 @@ class JoinSession:
         self._unanswered.pop(index, None)
         self._settle()
         if self.rounds and not self.lean:
-            self._announce(Opener(Kind.BACKWARD, index=index, flag=int(sync), mask=mask, seq=seq))
+            self._announce(Step(Kind.BACKWARD, model=index, sync=sync, mask=mask, seq=seq))
         return self.hook.output_scale(self.count)
 
     def before_step(self, index: int) -> None:
@@ -516,7 +521,7 @@ class JoinSession:
             return
         optimizer = self.optimizers[index] if index < len(self.optimizers) else None
         lr = self.events.check_lr(optimizer) if optimizer is not None else 0.0
-        self._announce(Opener(Kind.STEP, index=index, values=(lr, 0.0, 0.0)))
+        self._announce(Step(Kind.STEP, model=index, lr=lr))
 
     def clip_gradients(
         self,
@@ -536,12 +541,16 @@ class JoinSession:
                 f"{type(module).__name__}."
             )
         if self.rounds:
-            values = (
-                float(max_norm) if max_norm is not None else -1.0,
-                float(clip_val) if clip_val is not None else -1.0,
-                norm_type,
+            self._announce(
+                Step(
+                    Kind.CLIP,
+                    model=model,
+                    optimizer=index,
+                    max_norm=None if max_norm is None else float(max_norm),
+                    clip_val=None if clip_val is None else float(clip_val),
+                    norm_type=float(norm_type),
+                )
             )
-            self._announce(Opener(Kind.CLIP, index=index, flag=model, values=values))
         return self.hook.clip(model, optimizer, max_norm, clip_val, norm_type)
 
     # -- our collectives ---------------------------------------------------------------------------
@@ -552,7 +561,7 @@ class JoinSession:
         return not self.rounds
 
     def _announce_collective(self, header: Header) -> Round:
-        return self._announce(Opener(Kind.COLLECTIVE, site=site_id(call_site()), header=header))
+        return self._announce(Step(Kind.COLLECTIVE, site=site_id(call_site()), header=header))
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if not self.rounds:
@@ -602,35 +611,29 @@ class JoinSession:
         """Take part in the step the running ranks announced in ``round_``."""
         step = round_.step
         if step.kind == Kind.FORWARD:
-            if any(o.needs >> step.index & 1 for o in round_.openers):
-                example = self._exchange_example(step.index, None, min(round_.runners))
-                self.inputs.setdefault(step.index, example)
-            args, kwargs = self.inputs[step.index]
+            if any(o.needs >> step.model & 1 for o in round_.steps):
+                example = self._exchange_example(step.model, None, min(round_.runners))
+                self.inputs.setdefault(step.model, example)
+            args, kwargs = self.inputs[step.model]
             self.forwards += 1
-            if step.flag & 4:  # the running ranks' buffers, as DDP under torch's Join
-                self.hook.sync_buffers(step.index, max(round_.runners))
-            with _buffers_kept(self.hook.module(step.index)), torch.set_grad_enabled(bool(step.flag & 1)):
-                self.hook.forward(step.index, args, kwargs, bool(step.flag & 2))
+            if step.buffers:  # the running ranks' buffers, as DDP under torch's Join
+                self.hook.sync_buffers(step.model, max(round_.runners))
+            with _buffers_kept(self.hook.module(step.model)), torch.set_grad_enabled(step.grad):
+                self.hook.forward(step.model, args, kwargs, step.sync)
         elif step.kind == Kind.BACKWARD:
             outputs = self.outputs.pop(step.seq, [])
             chosen = [t for i, t in enumerate(outputs) if step.mask >> i & 1]
-            keep_own = bool(step.flag) and self.own_unsynced[step.index]
-            if step.flag:
-                self.own_unsynced[step.index] = False
-            self.hook.backward(step.index, chosen, bool(step.flag), keep_own)
+            keep_own = step.sync and self.own_unsynced[step.model]
+            if step.sync:
+                self.own_unsynced[step.model] = False
+            self.hook.backward(step.model, chosen, step.sync, keep_own)
         elif step.kind == Kind.STEP:
-            if step.index < len(self.optimizers):
-                self.events.compare_lr(self.optimizers[step.index], step.values[0], self.rank)
-            self.hook.step(step.index)
+            if step.model < len(self.optimizers):
+                self.events.compare_lr(self.optimizers[step.model], step.lr, self.rank)
+            self.hook.step(step.model)
         elif step.kind == Kind.CLIP:
-            max_norm, clip_val, norm_type = step.values
-            self.hook.clip(
-                step.flag,
-                self.optimizers[step.index],
-                max_norm if max_norm >= 0 else None,
-                clip_val if clip_val >= 0 else None,
-                norm_type,
-            )
+            optimizer = self.optimizers[step.optimizer]
+            self.hook.clip(step.model, optimizer, step.max_norm, step.clip_val, step.norm_type)
         elif step.kind == Kind.COLLECTIVE:
             self.collectives.serve(round_)
         # PASS, EVENTS: the round was all
@@ -638,8 +641,8 @@ class JoinSession:
     def _check_schedulers(self, round_: Round) -> None:
         """Every rank has left: its schedulers must have stepped as often as everyone's."""
         counts = {
-            round(o.values[0]) + sum(e.action == Action.SCHEDULER_STEP for e in round_.events_to_apply(r))
-            for r, o in enumerate(round_.openers)
+            o.scheduler_steps + sum(e.action == Action.SCHEDULER_STEP for e in round_.events_to_apply(r))
+            for r, o in enumerate(round_.steps)
         }
         if len(counts) > 1:
             raise RuntimeError(
