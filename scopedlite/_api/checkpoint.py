@@ -34,7 +34,6 @@ from scopedlite._api.checkpoint_path import check_same_path
 from scopedlite._api.collectives import barrier
 from scopedlite._api.current import current
 from scopedlite._api.dataloader import DeviceDataLoader
-from scopedlite._api.join import in_join
 from scopedlite._api.missing_entries import missing_entries
 from scopedlite._api.state_dict_file import as_entries
 from scopedlite._io.background import SaveHandle
@@ -43,6 +42,7 @@ from scopedlite._io.files import CheckpointError, state_dicts, write_atomically
 from scopedlite._io.reader import open_checkpoint
 from scopedlite._strategies.abilities import SupportsCheckpoint, SupportsNativeLoad
 from scopedlite._strategies.base import Strategy
+from scopedlite._strategies.join.members import in_join
 
 __all__ = ["CheckpointError", "load", "save"]
 

@@ -7,16 +7,19 @@ collectives route through the session so they stay correct on the ranks still ac
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 from scopedlite._api.current import current
 from scopedlite._core.run import Run
 from scopedlite._core.scope import ScopeError, WrapperScope
 from scopedlite._strategies.abilities import SupportsJoin
+from scopedlite._strategies.join.members import join_block
 from scopedlite._strategies.registry import names_supporting
 
-__all__ = ["active_session", "in_join", "join", "join_pass"]
+__all__ = ["active_session", "join", "join_pass"]
 
 _join_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.join", default=None)
 
@@ -54,7 +57,15 @@ class _JoinScope(WrapperScope[None]):
         # the others' last rounds there), so what those replays call finds the session as in
         # the block; the session lets exceptions through untouched.
         self.session = strategy.join(self.joinables, self.divide)
-        return self.session, None
+        return _open_block(self.session), None
+
+
+@contextlib.contextmanager
+def _open_block(session: Any) -> Iterator[None]:
+    """The session, inside a block that :func:`in_join` sees on any strategy (the session
+    of a process group names its models there too)."""
+    with join_block(), session:
+        yield
 
 
 def join(*joinables: Any, divide_by_initial_world_size: bool = True) -> _JoinScope:
@@ -89,11 +100,6 @@ def active_session(run: Run) -> Any:
     if scope is not None and scope.run is run:
         return scope.session
     return None
-
-
-def in_join() -> bool:
-    """Whether a ``lite.join`` block is open in the current context."""
-    return _join_var.get() is not None
 
 
 def join_pass(length: int | None) -> Any:

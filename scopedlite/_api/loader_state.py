@@ -34,11 +34,11 @@ from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
 from scopedlite._api.epochs import PassCount, epoch_holders, hand_epoch
 from scopedlite._api.interrupted import Interrupted
-from scopedlite._api.join import in_join
 from scopedlite._api.rebuild import loader_arguments, shard_loader
 from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler
 from scopedlite._core import rng
 from scopedlite._core.structures import map_tensors
+from scopedlite._strategies.join.members import in_join
 
 __all__ = ["FORMAT", "Interrupted", "Pending", "ResumeCursor", "resumed_loader", "spare_generator"]
 

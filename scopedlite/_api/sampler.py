@@ -33,8 +33,8 @@ from torch.utils.data import (
 )
 
 from scopedlite._api.interrupted import Interrupted
-from scopedlite._api.join import in_join
 from scopedlite._api.seed import seeded_generators
+from scopedlite._strategies.join.members import in_join
 
 __all__ = ["ShardedBatchSampler", "ShardedSampler", "forward_epoch"]
 

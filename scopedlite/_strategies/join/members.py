@@ -1,13 +1,16 @@
-"""Which set-up models an open ``lite.join`` block holds, for their user methods to ask.
+"""Whether a ``lite.join`` block is open in this context, and which set-up models it holds.
 
-Inside ``lite.join`` a rank that has run out of data replays each forward of the models so
+One question, :func:`in_join`, asked two ways. Without a module: is a block open here (the
+sampler of ``setup_dataloader`` neither pads nor drops inside one, ``lite.save`` and a
+loader's state are refused there). With a user's module: is it one of the block's models -
+inside ``lite.join`` a rank that has run out of data replays each forward of the models so
 that it keeps taking part in their collectives; it cannot replay a user method (it does not
-know one was called). A method must therefore neither gather parameters (FSDP, ZeRO-3) nor
-have its result back-propagated there; user_model.py and fsdp/methods.py refuse both, and ask
-here whether the model is in a join block.
+know one was called), so a method must neither gather parameters (FSDP, ZeRO-3) nor have its
+result back-propagated there; user_model.py and fsdp/methods.py refuse both.
 
-The join session enters :func:`models_in_join` for its models (the user's modules, as
-``strategy.unwrap`` gives them) for as long as it is open.
+The join session (``session.py``) enters :func:`join_block` with its models (the user's
+modules, as ``strategy.unwrap`` gives them) for as long as it is open; a one-process
+strategy's session with none.
 """
 
 from __future__ import annotations
@@ -18,26 +21,27 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["in_join", "models_in_join", "refuse_backward_in_join", "refuse_gather_in_join"]
+__all__ = ["in_join", "join_block", "refuse_backward_in_join", "refuse_gather_in_join"]
 
-_joined: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "scopedlite.joined_models", default=frozenset()
-)
+# The ids of the open block's models; None while no block is open in this context.
+_block: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("scopedlite.join_block", default=None)
 
 
 @contextlib.contextmanager
-def models_in_join(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
-    """While open, :func:`in_join` is true for ``modules`` (the user's own modules)."""
-    token = _joined.set(_joined.get() | {id(m) for m in modules})
+def join_block(modules: Iterable[torch.nn.Module] = ()) -> Iterator[None]:
+    """While open, a ``lite.join`` block is open in this context, holding ``modules``."""
+    token = _block.set(frozenset(id(m) for m in modules))
     try:
         yield
     finally:
-        _joined.reset(token)
+        _block.reset(token)
 
 
-def in_join(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (a user's module of a set-up model) is in an open ``lite.join`` block."""
-    return id(module) in _joined.get()
+def in_join(module: torch.nn.Module | None = None) -> bool:
+    """Whether a ``lite.join`` block is open in this context; given a user's module of a
+    set-up model, whether it is one of that block's models."""
+    block = _block.get()
+    return block is not None and (module is None or id(module) in block)
 
 
 def refuse_gather_in_join(method: str) -> None:

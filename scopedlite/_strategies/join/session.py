@@ -77,7 +77,7 @@ from scopedlite._strategies.join.collectives import (
     refuse_raw_collectives,
 )
 from scopedlite._strategies.join.events import EventRecorder
-from scopedlite._strategies.join.members import models_in_join
+from scopedlite._strategies.join.members import join_block
 from scopedlite._strategies.join.message import (
     LENGTH,
     MAX_EVENTS,
@@ -190,9 +190,7 @@ class JoinSession:
     # -- the block ---------------------------------------------------------------------------------
     def __enter__(self) -> JoinSession:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
-            self._stack.enter_context(
-                models_in_join(self.strategy.unwrap(m) for m in self.models)
-            )  # asked by user methods
+            self._stack.enter_context(join_block(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
             self._stack.enter_context(self.hook.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._stack.enter_context(refuse_distributed_norms())
