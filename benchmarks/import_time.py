@@ -24,7 +24,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import PYTHON, Measurement, copy_package, bench_env, failed, log, median, run_child, safe_ratio
+from common import PYTHON, Measurement, bench_env, copy_package, failed, log, median, run_child, safe_ratio
 
 GOAL_MS = 30.0
 TORCH_ONLY = "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); print(json.dumps({'torch_s': t1 - t0}))"
@@ -96,7 +96,9 @@ def measure(quick: bool) -> list[Measurement]:
         }
         torch_walls: list[float] = []
         torch_inside: list[float] = []
-        samples: dict[str, dict[str, list[float]]] = {s: {"import_s": [], "api_s": [], "wall_s": [], "full_gc_s": []} for s in envs}
+        samples: dict[str, dict[str, list[float]]] = {
+            s: {"import_s": [], "api_s": [], "wall_s": [], "full_gc_s": []} for s in envs
+        }
         try:
             for i in range(runs):
                 order = ["torch", "cached", "uncached"]
@@ -115,16 +117,45 @@ def measure(quick: bool) -> list[Measurement]:
                         samples[which]["full_gc_s"].append(data["full_gc_s"])
             breakdown = _breakdown(envs["cached"], Path(tmp))
         except RuntimeError as e:
-            return [failed("import_time", "import scopedlite after import torch", f"<= {GOAL_MS:.0f} ms", METHOD.format(what="`import scopedlite`", n=runs), str(e))]
+            return [
+                failed(
+                    "import_time",
+                    "import scopedlite after import torch",
+                    f"<= {GOAL_MS:.0f} ms",
+                    METHOD.format(what="`import scopedlite`", n=runs),
+                    str(e),
+                )
+            ]
 
     torch_s = median(torch_inside)
     torch_label = f"import torch: {torch_s:.2f} s (process {median(torch_walls):.2f} s)"
     slow = ", ".join(f"{n} {t:.1f}" for n, t in list(breakdown["slowest_scopedlite_modules_ms"].items())[:3])  # type: ignore[union-attr]
     extra = ", ".join(breakdown["other_modules_loaded"]) or "none"  # type: ignore[arg-type]
     specs = [
-        ("import_cached", "cached", "import_s", "import scopedlite after import torch (.pyc cached, as pip installs it)", "`import scopedlite`", True),
-        ("import_api_cached", "cached", "api_s", "import scopedlite + resolve every public name (.pyc cached)", "`import scopedlite` + getattr of all `__all__`", False),
-        ("import_api_uncached", "uncached", "api_s", "import scopedlite + resolve every public name, no .pyc (PYTHONDONTWRITEBYTECODE=1, as here)", "`import scopedlite` + getattr of all `__all__`", False),
+        (
+            "import_cached",
+            "cached",
+            "import_s",
+            "import scopedlite after import torch (.pyc cached, as pip installs it)",
+            "`import scopedlite`",
+            True,
+        ),
+        (
+            "import_api_cached",
+            "cached",
+            "api_s",
+            "import scopedlite + resolve every public name (.pyc cached)",
+            "`import scopedlite` + getattr of all `__all__`",
+            False,
+        ),
+        (
+            "import_api_uncached",
+            "uncached",
+            "api_s",
+            "import scopedlite + resolve every public name, no .pyc (PYTHONDONTWRITEBYTECODE=1, as here)",
+            "`import scopedlite` + getattr of all `__all__`",
+            False,
+        ),
     ]
     rows = []
     for key, state, field, title, what, judged in specs:
@@ -155,7 +186,12 @@ def measure(quick: bool) -> list[Measurement]:
                 baseline_label=torch_label,
                 goal_fraction=ms / GOAL_MS,
                 note=note,
-                raw={**samples[state], "torch_import_s": torch_inside, "torch_only_walls_s": torch_walls, **({"importtime": breakdown} if key == "import_api_cached" else {})},
+                raw={
+                    **samples[state],
+                    "torch_import_s": torch_inside,
+                    "torch_only_walls_s": torch_walls,
+                    **({"importtime": breakdown} if key == "import_api_cached" else {}),
+                },
             )
         )
     return rows

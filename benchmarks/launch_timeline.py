@@ -27,9 +27,9 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    installed_env,
     failed,
     free_port,
+    installed_env,
     log,
     median,
     noise_verdict,
@@ -82,12 +82,16 @@ def _read_stamps(out: Path) -> list[tuple[str, dict[str, float]]]:
     return processes
 
 
-def _timeline(mode: str, processes: list[tuple[str, dict[str, float]]], started: float, ended: float) -> dict[str, float]:
+def _timeline(
+    mode: str, processes: list[tuple[str, dict[str, float]]], started: float, ended: float
+) -> dict[str, float]:
     """Phase -> seconds since the spawn, for one run (a phase nobody stamped is left out)."""
     launcher = [s for role, s in processes if role == "launcher"]
     workers = [s for role, s in processes if role == "worker"]
     if len(launcher) != 1 or len(workers) != 2 - (mode != "torchrun"):
-        raise RuntimeError(f"{mode}: expected one launching process and its workers, got roles {[r for r, _ in processes]}")
+        raise RuntimeError(
+            f"{mode}: expected one launching process and its workers, got roles {[r for r, _ in processes]}"
+        )
     ranks = workers if mode == "torchrun" else launcher + workers
     rows: dict[str, float] = {}
     for key, _title, who in PHASES:
@@ -99,7 +103,15 @@ def _timeline(mode: str, processes: list[tuple[str, dict[str, float]]], started:
         elif key == "worker_torch":
             group, phase = workers, "torch"
         else:
-            group, phase = {"launcher": launcher, "workers": workers, "ranks": ranks, "end": launcher if mode != "torchrun" else ranks}[who], key
+            group, phase = (
+                {
+                    "launcher": launcher,
+                    "workers": workers,
+                    "ranks": ranks,
+                    "end": launcher if mode != "torchrun" else ranks,
+                }[who],
+                key,
+            )
         values = [s[phase] for s in group if phase in s]
         if values and len(values) == len(group):
             rows[key] = max(values) - started
@@ -111,7 +123,17 @@ def _run(mode: str) -> dict[str, float]:
     script = str(SCRIPTS_DIR / "launch_phases.py")
     cmd = [PYTHON, script, "agent" if mode == "torchrun" else mode, str(out)]
     if mode == "torchrun":
-        cmd += ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "torchrun", str(out)]
+        cmd += [
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            script,
+            "torchrun",
+            str(out),
+        ]
     started = time.time()
     result = run_child(cmd, installed_env(), timeout=120)
     ended = time.time()
@@ -146,10 +168,15 @@ def measure(quick: bool) -> list[Measurement]:
                 log(f"  timeline {mode}: FAILED {e}")
                 continue
             samples[mode].append(timeline)
-            log(f"  timeline {mode} ({repeat + 1}/{repeats}): " + ", ".join(f"{k} {v:.2f}" for k, v in timeline.items()))
+            log(
+                f"  timeline {mode} ({repeat + 1}/{repeats}): " + ", ".join(f"{k} {v:.2f}" for k, v in timeline.items())
+            )
     if not all(samples.values()):
         return [failed("launch_timeline", "Launch timeline", "-", method, "; ".join(problems) or "no run")]
-    medians = {m: {k: median([t[k] for t in samples[m] if k in t]) for k, _, _ in PHASES if any(k in t for t in samples[m])} for m in MODES}
+    medians = {
+        m: {k: median([t[k] for t in samples[m] if k in t]) for k, _, _ in PHASES if any(k in t for t in samples[m])}
+        for m in MODES
+    }
     log("launch timeline (median seconds since the command was started):\n" + _table(medians))
     rows = []
     for key, title, _who in PHASES:
@@ -162,7 +189,9 @@ def measure(quick: bool) -> list[Measurement]:
             ok = all(medians[m][key] / base <= g for m, g in goals.items())
             met = ok
             per_pair = {m: [t[key] / b[key] for t, b in zip(samples[m], samples["torchrun"])] for m in goals}
-            verdict = "; ".join(f"{m}: {noise_verdict(medians[m][key] / base <= g, per_pair[m], g)}" for m, g in goals.items())
+            verdict = "; ".join(
+                f"{m}: {noise_verdict(medians[m][key] / base <= g, per_pair[m], g)}" for m, g in goals.items()
+            )
         fork_ratio = safe_ratio(fork, base)
 
         def label(value: float | None, mode: str) -> str:

@@ -15,7 +15,19 @@ from __future__ import annotations
 
 import shutil
 
-from common import PYTHON, SCRIPTS_DIR, Measurement, bench_env, failed, log, median, noise_verdict, read_json, run_child, temp_path
+from common import (
+    PYTHON,
+    SCRIPTS_DIR,
+    Measurement,
+    bench_env,
+    failed,
+    log,
+    median,
+    noise_verdict,
+    read_json,
+    run_child,
+    temp_path,
+)
 
 GOAL = 0.10
 STRATEGIES = ("ddp", "fsdp")
@@ -34,7 +46,10 @@ def measure(quick: bool) -> list[Measurement]:
 
 
 def _one(strategy: str, rounds: int) -> Measurement:
-    key, title = f"save_stall_{strategy}", f"lite.save of a 201 MB model under {strategy} (2 ranks): training stall, blocking=False vs blocking"
+    key, title = (
+        f"save_stall_{strategy}",
+        f"lite.save of a 201 MB model under {strategy} (2 ranks): training stall, blocking=False vs blocking",
+    )
     goal = f"<= {GOAL} x blocking"
     out, folder = temp_path(), temp_path("")
     folder.mkdir()

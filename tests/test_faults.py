@@ -88,9 +88,8 @@ def test_sigterm_to_every_process_at_once_is_one_clean_stop(tmp_path):
     import os
     import signal
 
-    from test_launch import _start_and_wait_ready
-
     from conftest import SCRIPTS
+    from test_launch import _start_and_wait_ready
 
     out = tmp_path / "preempt.json"
     proc = _start_and_wait_ready(SCRIPTS / "preempt.py", out, tmp_path)

@@ -133,7 +133,14 @@ def test_the_command_line_is_read_by_the_interpreters_grammar(argv, form, value,
 def _rebuild(**overrides):
     from scopedlite._hardware.program import rebuild
 
-    facts = {"orig_argv": ["py", "x.py"], "executable": "/bin/python", "main_file": "/w/x.py", "main_spec": None, "path0": "/w", "imported_in": "/w"}
+    facts = {
+        "orig_argv": ["py", "x.py"],
+        "executable": "/bin/python",
+        "main_file": "/w/x.py",
+        "main_spec": None,
+        "path0": "/w",
+        "imported_in": "/w",
+    }
     return rebuild(**{**facts, **overrides})
 
 
@@ -358,8 +365,10 @@ def test_collective_timeout_shows_where_every_rank_was(script):
     rank1 = message.split("--- rank 1 ---")[1]
     from conftest import SCRIPTS
 
-    sleep_line = 1 + [i for i, l in enumerate((SCRIPTS / "fail.py").read_text().splitlines()) if "time.sleep(30)" in l][0]
-    assert f"fail.py\", line {sleep_line}" in rank1  # rank 1 sits in its sleep, not in the collective
+    sleep_line = (
+        1 + [i for i, l in enumerate((SCRIPTS / "fail.py").read_text().splitlines()) if "time.sleep(30)" in l][0]
+    )
+    assert f'fail.py", line {sleep_line}' in rank1  # rank 1 sits in its sleep, not in the collective
     _assert_no_survivors(out["pids"])
 
 
@@ -447,9 +456,7 @@ def test_torchrun_world_is_joined_not_spawned(run_python, tmp_path):
             """
         )
     )
-    result = run_python(
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path), timeout=120
-    )
+    result = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path), timeout=120)
     assert result.returncode == 0, result.explain()
     infos = [json.load(open(f"{result._out}.rank{r}")) for r in (0, 1)]
     for info in infos:
@@ -483,7 +490,9 @@ def test_ctrl_c_in_the_main_process_stops_every_worker(tmp_path):
             time.sleep(60)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 30
     while len(list(marks.glob("pid*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -549,7 +558,14 @@ def _start_and_wait_ready(script_path, out, tmp_path):
 
     env = _env()
     env["OUT"] = str(out)
-    proc = subprocess.Popen([sys.executable, str(script_path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script_path)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 40
     while not os.path.exists(f"{out}.ready") and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -688,7 +704,9 @@ def test_a_script_read_from_stdin_with_its_own_dash_c_forks(tmp_path):
     from conftest import _env
 
     code = "import sys, scopedlite as lite\nwith lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=60) as run:\n    print('sum', lite.all_reduce(1), sys.argv)\n"
-    proc = subprocess.run([sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sum 2 ['-', '-c']" in proc.stdout
 
@@ -772,9 +790,13 @@ def test_a_second_forked_block_after_an_fsdp_block_starts_and_runs(run_python):
     "strategy",
     [
         "ddp",
-        pytest.param("deepspeed_stage_2", marks=pytest.mark.skipif(
-            importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
-        )),
+        pytest.param(
+            "deepspeed_stage_2",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deepspeed") is None,
+                reason="deepspeed is not installed (pip install scopedlite[deepspeed])",
+            ),
+        ),
     ],
 )
 def test_later_forked_blocks_whose_workers_drop_an_earlier_blocks_model_finish(script, strategy):

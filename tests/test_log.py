@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_warm
 
 import scopedlite as lite
+from conftest import SCRIPTS, run_warm
 
 
 def rows(path):
@@ -75,10 +75,15 @@ def test_a_logger_reused_by_a_later_block_continues_its_file(tmp_path):
 
 def test_values_logged_before_a_failure_are_on_disk(tmp_path):
     recorder = Recorder()
-    with pytest.raises(ZeroDivisionError):
-        with lite.launch(accelerator="cpu", loggers=[lite.CSVLogger(tmp_path / "m.csv"), lite.TensorBoardLogger(tmp_path / "tb"), recorder]):
-            lite.log("loss", 2.0)
-            _ = 1 / 0
+    with (
+        pytest.raises(ZeroDivisionError),
+        lite.launch(
+            accelerator="cpu",
+            loggers=[lite.CSVLogger(tmp_path / "m.csv"), lite.TensorBoardLogger(tmp_path / "tb"), recorder],
+        ),
+    ):
+        lite.log("loss", 2.0)
+        _ = 1 / 0
     assert rows(tmp_path / "m.csv") == [(0, "loss", 2.0)]
     assert scalars(tmp_path / "tb") == {"loss": [(0, 2.0)]}
     assert recorder.calls[-1] == "failed"
@@ -87,7 +92,11 @@ def test_values_logged_before_a_failure_are_on_disk(tmp_path):
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
-        (lambda: (lite.log("a", 1.0, step=5), lite.log("a", 2.0, step=5)), ValueError, ["step=5 for 'a'", "last step 5", "step=6"]),
+        (
+            lambda: (lite.log("a", 1.0, step=5), lite.log("a", 2.0, step=5)),
+            ValueError,
+            ["step=5 for 'a'", "last step 5", "step=6"],
+        ),
         (lambda: (lite.log("a", 1.0, step=5), lite.log("a", 2.0, step=3)), ValueError, ["step=3 for 'a'"]),
         (lambda: lite.log("a", 1.0, step=-1), ValueError, ["step=-1", ">= 0"]),
         (lambda: lite.log("a", "1.0"), TypeError, ["lite.log('a', '1.0')", "str"]),
@@ -98,9 +107,8 @@ def test_values_logged_before_a_failure_are_on_disk(tmp_path):
 )
 def test_bad_calls_are_refused_and_nothing_is_written(tmp_path, call, error, words):
     recorder = Recorder()
-    with lite.launch(accelerator="cpu", loggers=recorder):
-        with pytest.raises(error) as info:
-            call()
+    with lite.launch(accelerator="cpu", loggers=recorder), pytest.raises(error) as info:
+        call()
     for word in words:
         assert word in str(info.value), str(info.value)
     assert all(metrics == {"a": 1.0} for metrics, _ in recorder.calls[:-1])  # the refused call wrote nothing
@@ -115,9 +123,8 @@ def test_a_steps_check_holds_for_each_name_alone():
 
 
 def test_launch_refuses_what_is_not_a_logger():
-    with pytest.raises(TypeError) as info:
-        with lite.launch(accelerator="cpu", loggers=[lite.CSVLogger("m.csv"), "tb"]):
-            pass
+    with pytest.raises(TypeError) as info, lite.launch(accelerator="cpu", loggers=[lite.CSVLogger("m.csv"), "tb"]):
+        pass
     assert "loggers[1]='tb' is not a logger" in str(info.value) and "log_metrics(metrics, step)" in str(info.value)
 
 
@@ -262,7 +269,9 @@ def mlflow_run(store, run_id):
     4 FAILED)."""
     (run,) = store.glob(f"*/{run_id}")
     fields = dict(line.split(": ", 1) for line in (run / "meta.yaml").read_text().splitlines() if ": " in line)
-    experiment = dict(line.split(": ", 1) for line in (run.parent / "meta.yaml").read_text().splitlines() if ": " in line)
+    experiment = dict(
+        line.split(": ", 1) for line in (run.parent / "meta.yaml").read_text().splitlines() if ": " in line
+    )
     metrics = [
         (int(step), path.name, float(value))
         for path in (run / "metrics").iterdir()

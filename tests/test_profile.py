@@ -111,10 +111,9 @@ def test_profile_chosen_rank_outside_world(tmp_path):
 
 
 def test_profile_does_not_nest(tmp_path):
-    with lite.profile(tmp_path, enabled=False):
-        with pytest.raises(lite.ScopeError, match="already open"):
-            with lite.profile(tmp_path):
-                pass
+    with lite.profile(tmp_path, enabled=False), pytest.raises(lite.ScopeError, match="already open"):
+        with lite.profile(tmp_path):
+            pass
 
 
 @pytest.mark.parametrize(

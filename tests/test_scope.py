@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import concurrent.futures
+import contextlib
 import threading
 
 import pytest
@@ -47,20 +47,17 @@ def test_a_scope_object_is_good_for_one_block():
     scope = lite.autocast()
     with scope:
         pass
-    with pytest.raises(lite.ScopeError, match="already entered once"):
-        with scope:
-            pass
+    with pytest.raises(lite.ScopeError, match="already entered once"), scope:
+        pass
     nested = lite.rank_zero_first()
-    with nested:
-        with pytest.raises(lite.ScopeError):
-            nested.__enter__()
+    with nested, pytest.raises(lite.ScopeError):
+        nested.__enter__()
 
 
 def test_launch_does_not_nest():
-    with lite.launch(accelerator="cpu"):
-        with pytest.raises(lite.ScopeError, match="do not nest"):
-            with lite.launch(accelerator="cpu"):
-                pass
+    with lite.launch(accelerator="cpu"), pytest.raises(lite.ScopeError, match="do not nest"):
+        with lite.launch(accelerator="cpu"):
+            pass
 
 
 def test_threads_started_in_a_launch_block_see_its_run():

@@ -153,10 +153,9 @@ def test_one_process_windows_and_the_cpu_has_no_peak():
 
 
 def test_flops_given_per_step_on_a_cpu_warn_that_mfu_is_not_logged():
-    with pytest.warns(RuntimeWarning, match=r"logs no MFU") as caught:
-        with lite.throughput(window=1) as meter:
-            for _ in range(3):
-                meter.step(flops=5)
+    with pytest.warns(RuntimeWarning, match=r"logs no MFU") as caught, lite.throughput(window=1) as meter:
+        for _ in range(3):
+            meter.step(flops=5)
     assert len(caught) == 1  # once
 
 

@@ -8,10 +8,10 @@ recipe with plain torch in one process.
 """
 
 import torch
-from _common import from_every_rank, write
-from _fsdp_common import JOIN_BATCH, JOIN_CLIP, JOIN_SEED, join_rows, make_data, make_net, make_optimizer, train
 
 import scopedlite as lite
+from _common import from_every_rank, write
+from _fsdp_common import JOIN_BATCH, JOIN_CLIP, JOIN_SEED, join_rows, make_data, make_net, make_optimizer, train
 
 
 def full(p: torch.Tensor) -> torch.Tensor:

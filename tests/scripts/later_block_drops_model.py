@@ -11,9 +11,9 @@ argv: strategy
 import sys
 
 import torch
-from _common import make_model, write
 
 import scopedlite as lite
+from _common import make_model, write
 
 totals = []
 for block in range(3):

@@ -25,10 +25,10 @@ import weakref
 from pathlib import Path
 
 import torch
-from _common import reductions_during, write
-from _one_script_common import Net, WithConfig, build, global_batch, loss_of, probe, sgd
 
 import scopedlite as lite
+from _common import reductions_during, write
+from _one_script_common import Net, WithConfig, build, global_batch, loss_of, probe, sgd
 
 strategy, directory = sys.argv[1], Path(sys.argv[2])
 devices = 1 if strategy == "single" else 2
@@ -52,7 +52,10 @@ def flat(model: torch.nn.Module) -> dict[str, list[float]]:
 
 def grads(model: torch.nn.Module) -> list[list[float] | None]:
     """Each parameter's whole gradient (FSDP's gathered), in ``parameters()`` order."""
-    full = [None if p.grad is None else p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    full = [
+        None if p.grad is None else p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for p in model.parameters()
+    ]
     return [None if g is None else g.float().flatten().tolist() for g in full]
 
 

@@ -36,15 +36,19 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
             steps += 1
     gathered = lite.all_gather(torch.tensor(params(model)[0]))
     per_rank = lite.broadcast({"steps": steps, "means": means, "locals": locals_}, src=0)
-    everyone = [lite.broadcast({"steps": steps, "means": means, "locals": locals_}, src=r) for r in range(run.world_size)]
+    everyone = [
+        lite.broadcast({"steps": steps, "means": means, "locals": locals_}, src=r) for r in range(run.world_size)
+    ]
     if run.is_global_zero:
-        write({
-            "params": params(lite.current().strategy.unwrap(model)),
-            "first_param_on_each_rank": gathered.tolist(),
-            "ranks": everyone,
-            "world_size": run.world_size,
-            "threads": threads,
-        })
+        write(
+            {
+                "params": params(lite.current().strategy.unwrap(model)),
+                "first_param_on_each_rank": gathered.tolist(),
+                "ranks": everyone,
+                "world_size": run.world_size,
+                "threads": threads,
+            }
+        )
 if run.is_global_zero:  # this process wrote (under mpirun or srun every rank's process gets here)
     record = json.load(open(os.environ["OUT"]))
     record["threads_before"], record["threads_after"] = threads_before, torch.get_num_threads()
