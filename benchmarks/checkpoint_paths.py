@@ -51,7 +51,8 @@ def measure(quick: bool) -> list[Measurement]:
     check, barrier = pooled["check"], pooled["barrier"]
     save, bare = pooled["save"], pooled["save_without_check"]
     log(
-        f"path check {check * 1e3:.3f} ms, barrier {barrier * 1e3:.3f} ms; save {save * 1e3:.2f} ms vs {bare * 1e3:.2f} ms"
+        f"path check {check * 1e3:.3f} ms, barrier {barrier * 1e3:.3f} ms; "
+        f"save {save * 1e3:.2f} ms vs {bare * 1e3:.2f} ms"
     )
     raw = {"per_block_median_s": per_block, "wall_s": result.wall_s}
     return [

@@ -27,7 +27,10 @@ from pathlib import Path
 from common import PYTHON, Measurement, bench_env, copy_package, failed, log, median, run_child, safe_ratio
 
 GOAL_MS = 30.0
-TORCH_ONLY = "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); print(json.dumps({'torch_s': t1 - t0}))"
+TORCH_ONLY = (
+    "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+    "print(json.dumps({'torch_s': t1 - t0}))"
+)
 # The child also times the full (generation 2) garbage collections that run while it imports:
 # after `import torch` the first one walks all of torch's objects, and whichever code allocates
 # enough next pays it (here, our import; in any program, its next few thousand objects).
@@ -37,7 +40,8 @@ WITH_LITE = (
     "import scopedlite; t2 = time.perf_counter(); "
     "[getattr(scopedlite, name) for name in scopedlite.__all__]; t3 = time.perf_counter(); "
     "gc.callbacks.clear(); "
-    "print(json.dumps({'torch_s': t1 - t0, 'import_s': t2 - t1, 'api_s': t3 - t1, 'full_gc_s': sum(full[1::2]) - sum(full[0::2]), "
+    "print(json.dumps({'torch_s': t1 - t0, 'import_s': t2 - t1, 'api_s': t3 - t1, "
+    "'full_gc_s': sum(full[1::2]) - sum(full[0::2]), "
     "'file': scopedlite.__file__}))"
 )
 BREAKDOWN = "import torch; import scopedlite; [getattr(scopedlite, name) for name in scopedlite.__all__]"
@@ -161,11 +165,15 @@ def measure(quick: bool) -> list[Measurement]:
     for key, state, field, title, what, judged in specs:
         values = samples[state][field]
         ms = median(values) * 1e3
-        note = f"samples {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms; process wall with scopedlite {median(samples[state]['wall_s']):.2f} s"
+        note = (
+            f"samples {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms; "
+            f"process wall with scopedlite {median(samples[state]['wall_s']):.2f} s"
+        )
         if field == "api_s":
             note += (
                 f"; of which full garbage collections (the first after `import torch` walks all of torch's objects; "
-                f"any program pays it at its next few thousand allocations) median {median(samples[state]['full_gc_s']) * 1e3:.1f} ms"
+                f"any program pays it at its next few thousand allocations) "
+                f"median {median(samples[state]['full_gc_s']) * 1e3:.1f} ms"
             )
         if key == "import_api_cached":
             note += f"; slowest own modules (-X importtime self ms): {slow}; modules loaded that torch had not: {extra}"

@@ -41,7 +41,8 @@ LIST_GOAL = 1.05  # a plain loop: one round per step
 UNEVEN_GOAL = 1.1
 EVEN_METHOD = (
     f"one 2-proc launch; blocks of {EVEN_WARMUP}+{EVEN_STEPS} steps (MLP 3x512, batch 64) without "
-    "join, in lite.join, in torch Join (ddp), over a set-up loader and over a plain list of its batches, rotating; rank 0 perf_counter per step, warm-up excluded; "
+    "join, in lite.join, in torch Join (ddp), over a set-up loader and over a plain list of its batches, "
+    "rotating; rank 0 perf_counter per step, warm-up excluded; "
     "ratio of pooled medians, per-block ratios in the note"
 )
 UNEVEN_METHOD = (
@@ -152,7 +153,10 @@ def _even_row(
 def _coverage(seen: list[list[int]]) -> str:
     """'334/333/333 batches, 1000 distinct, 0 repeated' for one mode."""
     flat = [i for rank in seen for i in rank]
-    return f"{'/'.join(str(len(r)) for r in seen)} samples per rank, {len(set(flat))} distinct, {len(flat) - len(set(flat))} repeated"
+    return (
+        f"{'/'.join(str(len(r)) for r in seen)} samples per rank, "
+        f"{len(set(flat))} distinct, {len(flat) - len(set(flat))} repeated"
+    )
 
 
 def _uneven(quick: bool) -> list[Measurement]:
@@ -199,7 +203,11 @@ def _uneven(quick: bool) -> list[Measurement]:
                 method=UNEVEN_METHOD,
                 value_label=f"{epoch['join']:.2f} s (lite.join)",
                 baseline_label=f"{epoch[baseline]:.2f} s ({label})",
-                note=f"lite.join: {coverage['join']}; {label}: {coverage[baseline]}; epochs {len(data['epoch_s']['join'])} per mode; per-epoch ratios {', '.join(f'{r:.3f}' for r in per_epoch)}",
+                note=(
+                    f"lite.join: {coverage['join']}; {label}: {coverage[baseline]}; "
+                    f"epochs {len(data['epoch_s']['join'])} per mode; "
+                    f"per-epoch ratios {', '.join(f'{r:.3f}' for r in per_epoch)}"
+                ),
                 raw=raw,
             )
         )

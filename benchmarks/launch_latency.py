@@ -100,7 +100,8 @@ def measure(quick: bool) -> list[Measurement]:
             continue
         value = median(last[mode])
         note = (
-            f"last rank samples {', '.join(f'{v:.2f}' for v in last[mode])} s; rank 0 median {median(rank0[mode]):.2f} s; "
+            f"last rank samples {', '.join(f'{v:.2f}' for v in last[mode])} s; "
+            f"rank 0 median {median(rank0[mode]):.2f} s; "
             f"torchrun samples {', '.join(f'{v:.2f}' for v in last['torchrun'])} s"
             + (f", rank 0 median {median(rank0['torchrun']):.2f} s" if rank0["torchrun"] else "")
             + (

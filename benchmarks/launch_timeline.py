@@ -62,7 +62,8 @@ GOALS = {("script", "first_line"): 0.75, ("fork", "first_line"): 0.5, ("script",
 METHOD = (
     "2 CPU procs, gloo, OMP_NUM_THREADS=1; the same short DDP program (Linear(8, 8), one barrier, one step); "
     "time.time() stamps written by every process at each phase, from the driver's time.time() before spawn "
-    "to the last process that has to pass it; scopedlite from a compiled copy (.pyc, as installed); median of {n}, the three ways alternating"
+    "to the last process that has to pass it; scopedlite from a compiled copy (.pyc, as installed); "
+    "median of {n}, the three ways alternating"
 )
 
 
@@ -154,6 +155,14 @@ def _table(medians: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _label(value: float | None, mode: str, base: float | None) -> str:
+    """A mode's median and its ratio to torchrun's (``base``), as a results row shows them."""
+    if value is None:
+        return f"{mode} -"
+    ratio = safe_ratio(value, base)
+    return f"{mode} {value:.2f} s" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
 def measure(quick: bool) -> list[Measurement]:
     repeats = 3 if quick else 5
     method = METHOD.format(n=repeats)
@@ -194,12 +203,6 @@ def measure(quick: bool) -> list[Measurement]:
             )
         fork_ratio = safe_ratio(fork, base)
 
-        def label(value: float | None, mode: str) -> str:
-            if value is None:
-                return f"{mode} -"
-            ratio = safe_ratio(value, base)
-            return f"{mode} {value:.2f} s" + (f" ({ratio:.2f}x)" if ratio is not None else "")
-
         rows.append(
             Measurement(
                 key=f"launch_timeline_{key}",
@@ -213,7 +216,7 @@ def measure(quick: bool) -> list[Measurement]:
                 met=met,
                 verdict=verdict,
                 method=method if key == PHASES[0][0] else "as the first launch-timeline row",
-                value_label=f"{label(script, 'script')}; {label(fork, 'fork')}",
+                value_label=f"{_label(script, 'script', base)}; {_label(fork, 'fork', base)}",
                 baseline_label="-" if base is None else f"{base:.2f} s (torchrun)",
                 note=(
                     f"script samples {', '.join(f'{t[key]:.2f}' for t in samples['script'] if key in t) or '-'}; "

@@ -105,7 +105,7 @@ def run_all(quick: bool, only: list[str]) -> list[Measurement]:
         try:
             measure: Callable[[bool], list[Measurement]] = importlib.import_module(name).measure
             new = measure(quick)
-        except Exception as e:  # one broken measurement must not lose the others
+        except Exception as e:  # noqa: BLE001 - one broken measurement must not lose the others
             new = [failed(name, description, "-", f"benchmarks/{name}.py", f"{type(e).__name__}: {e}")]
             traceback.print_exc()
         MODULE_OF_ROW.update((id(row), name) for row in new)

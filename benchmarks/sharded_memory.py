@@ -85,7 +85,8 @@ def measure(quick: bool) -> list[Measurement]:
         built = _growth(big, "rss_built") - _growth(control, "rss_built")
         ready = _growth(big, "rss_ready") - _growth(control, "rss_ready")
         log(
-            f"  memory {strategy}: params {params / MB:.1f} MB of {full / MB:.1f}; RSS net {built / MB:+.1f} MB built, {ready / MB:+.1f} MB set up"
+            f"  memory {strategy}: params {params / MB:.1f} MB of {full / MB:.1f}; "
+            f"RSS net {built / MB:+.1f} MB built, {ready / MB:+.1f} MB set up"
         )
         half = -(-full // 2) + 4096  # a shard may be padded by a few elements
         rows.append(

@@ -189,7 +189,7 @@ def test_a_plain_state_dict_file_is_refused_where_it_cannot_be_told_and_each_fix
     fresh, opt = _trained(seed=1)
     with pytest.raises(KeyError, match=r"nothing for \['opt'\]") as refused:
         lite.load(path, {"model": fresh, "opt": opt})
-    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})  # the line the error suggests
     _same(fresh.state_dict(), model.state_dict(), "the model loaded alone")
     fresh, opt = _trained(seed=1)
     moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}

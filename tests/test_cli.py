@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,10 @@ def test_one_node_is_standalone_and_passes_script_arguments_through():
 
 
 def test_several_nodes_use_static_rendezvous_at_node_0():
-    assert _argv("--devices", "4", "--num-nodes", "2", "--node-rank", "1", "--main-address", "n0", "--main-port", "1234", "-m", "pkg.train", "x") == [
+    assert _argv(
+        "--devices", "4", "--num-nodes", "2", "--node-rank", "1", "--main-address", "n0", "--main-port", "1234",
+        "-m", "pkg.train", "x",
+    ) == [
         "--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "n0", "--master-port", "1234",
         "--module", "pkg.train", "x",
     ]  # fmt: skip
@@ -86,7 +90,7 @@ def test_runs_an_unmodified_torch_distributed_script(run_python, tmp_path):
     result = run_python("-m", "scopedlite", "run", "--devices", "2", str(path), "--lr", "3")
     assert result.returncode == 0, result.explain()
     for rank in (0, 1):
-        out = json.loads(open(f"{result._out}.rank{rank}").read())
+        out = json.loads(Path(f"{result._out}.rank{rank}").read_text())
         assert out == {"sum": 3.0, "world": 2, "argv": ["--lr", "3"]}
 
 
@@ -97,7 +101,7 @@ def test_runs_a_module(run_python, tmp_path):
     (tmp_path / "pkg" / "plain.py").write_text(PLAIN)
     result = run_python("-m", "scopedlite", "run", "--devices", "2", "-m", "pkg.plain", "a", cwd=tmp_path)
     assert result.returncode == 0, result.explain()
-    assert json.loads(open(f"{result._out}.rank1").read())["argv"] == ["a"]
+    assert json.loads(Path(f"{result._out}.rank1").read_text())["argv"] == ["a"]
 
 
 @pytest.mark.timeout(90)
@@ -219,7 +223,7 @@ def test_a_bare_launch_is_configured_by_the_command_line_and_trains_on_two_ranks
         str(path),
     )
     assert result.returncode == 0, result.explain()
-    ranks = [json.loads(open(f"{result._out}.rank{rank}").read()) for rank in (0, 1)]
+    ranks = [json.loads(Path(f"{result._out}.rank{rank}").read_text()) for rank in (0, 1)]
     losses, weight = _fabric_style_reference()
     for out in ranks:
         assert (out["world"], out["strategy"], out["accelerator"], out["batches"]) == (2, "ddp", "cpu", 4)

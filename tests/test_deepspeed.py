@@ -151,7 +151,8 @@ def test_a_stale_build_lock_is_cleared_and_a_held_one_is_kept(tmp_path):
         [
             sys.executable,
             "-c",
-            f"import os, sys, time; os.open({str(held)!r}, os.O_CREAT | os.O_EXCL); print(1, flush=True); time.sleep(60)",
+            f"import os, sys, time; os.open({str(held)!r}, os.O_CREAT | os.O_EXCL); "
+            "print(1, flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
     )

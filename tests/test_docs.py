@@ -134,7 +134,8 @@ def _compare_signature(call: ast.Call) -> list[str]:
     problems = []
     if [(n, k) for n, k, _ in shown] != actual:
         problems.append(
-            f"lite.{name}: the docs show parameters {[k + n for n, k, _ in shown]}, the code has {[k + n for n, k in actual]}"
+            f"lite.{name}: the docs show parameters {[k + n for n, k, _ in shown]}, "
+            f"the code has {[k + n for n, k in actual]}"
         )
     for param_name, _, default in shown:
         param = code.parameters.get(param_name)
@@ -280,7 +281,8 @@ def test_example_blocks_run(block, examples_run):
     outcome = examples_run["results"].get(block.id)
     if outcome is None:
         pytest.fail(
-            f"{block.id} did not finish (runner exit {examples_run['exit'][block.page]}):\n{examples_run['tail'][block.page]}"
+            f"{block.id} did not finish (runner exit {examples_run['exit'][block.page]}):\n"
+            f"{examples_run['tail'][block.page]}"
         )
     error = outcome["error"]
     if error and outcome.get("missing") in _OPTIONAL and importlib.util.find_spec(outcome["missing"]) is None:
@@ -288,7 +290,8 @@ def test_example_blocks_run(block, examples_run):
     if error and "pip install scopedlite[deepspeed]" in error and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
     assert error is None, (
-        f"{block.id} raised:\n{error}\n--- its output ---\n{examples_run['stdout'].get(block.id, '')}{examples_run['stderr'].get(block.id, '')}"
+        f"{block.id} raised:\n{error}\n--- its output ---\n"
+        f"{examples_run['stdout'].get(block.id, '')}{examples_run['stderr'].get(block.id, '')}"
     )
 
 

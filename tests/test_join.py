@@ -64,7 +64,7 @@ def _check_join_run(ranks, world, n, batch, divide):
         assert r["len_outside"] == math.ceil(math.ceil(n / world) / batch)
         assert len(r["padded_seen"]) == math.ceil(n / world)
     assert sorted(i for r in ranks for i in r["seen"]) == list(range(n))
-    assert set(i for r in ranks for i in r["padded_seen"]) == set(range(n))
+    assert {i for r in ranks for i in r["padded_seen"]} == set(range(n))
 
     # Every collective inside join covers exactly the ranks still active at that step.
     steps = max(len(b) for b in per_rank_batches)

@@ -51,7 +51,8 @@ def test_csv_and_tensorboard_get_every_value_exactly(tmp_path):
         lite.log_dict({"acc": 0.5, "lr": torch.tensor([1e-3], dtype=torch.float64)}, step=10)
         lite.log("acc", 0.75)  # next step of "acc": 11
     assert rows(tmp_path / "logs" / "m.csv") == [
-        (0, "loss", 0.1 + 0.2), (1, "loss", 0.25), (10, "loss", 1 / 3), (10, "acc", 0.5), (10, "lr", 1e-3), (11, "acc", 0.75),
+        (0, "loss", 0.1 + 0.2), (1, "loss", 0.25), (10, "loss", 1 / 3),
+        (10, "acc", 0.5), (10, "lr", 1e-3), (11, "acc", 0.75),
     ]  # fmt: skip
     tb = scalars(tmp_path / "tb")
     assert tb["loss"] == [(0, pytest.approx(0.3)), (1, 0.25), (10, pytest.approx(1 / 3))]  # float32 in the file
@@ -138,13 +139,15 @@ TWO_RANKS = """
 import json, os, sys, scopedlite as lite
 from scopedlite import WorkerFailedError
 folder = sys.argv[1]
-with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=[lite.CSVLogger(folder + "/ok.csv"), lite.TensorBoardLogger(folder + "/tb")]) as run:
+loggers = [lite.CSVLogger(folder + "/ok.csv"), lite.TensorBoardLogger(folder + "/tb")]
+with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=loggers) as run:
     for step in range(3):
         lite.log("rank", run.global_rank, step=step)          # rank 0's value, written once
         lite.log("mean", lite.all_reduce(float(run.global_rank + step), op="mean"))
 # A later block forks; rank 1 fails after rank 0 logged: rank 0's values are flushed anyway.
 try:
-    with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=lite.CSVLogger(folder + "/failed.csv")) as run:
+    failed = lite.CSVLogger(folder + "/failed.csv")
+    with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=failed) as run:
         lite.log("loss", 7.0)
         if run.global_rank == 1:
             raise KeyError("rank 1 fails")

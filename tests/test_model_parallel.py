@@ -184,7 +184,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     assert out["eval_mean"] == pytest.approx(eval_mean, rel=1e-5)
     # the collectives count each replica once, as ddp counts each rank (not each process:
     # 2 * N_EVAL), and refuse a replica whose ranks disagree, on every rank
-    for r, mine in enumerate(ranks):
+    for mine in ranks:
         assert mine["eval_count"] == N_EVAL
         assert sorted(mine["eval_gathered"]) == list(range(N_EVAL))
         assert mine["replica_mean"] == 0.5 and mine["replica_gather"] == [0, 1]

@@ -41,7 +41,8 @@ def test_fabrics_short_precision_spellings_mean_what_they_mean_there(given, mean
         ),
         (
             "no",
-            "precision='no' is HF Accelerate's mixed_precision name; scopedlite writes it as Fabric does: precision='32-true'",
+            "precision='no' is HF Accelerate's mixed_precision name; "
+            "scopedlite writes it as Fabric does: precision='32-true'",
         ),
         (16.0, "precision=16.0 is not a precision scopedlite knows"),
         (True, "precision=True is not a precision scopedlite knows"),
@@ -56,10 +57,12 @@ def test_fabrics_16_on_cpu_is_refused_saying_what_it_means():
     expected = "precision=16 (Fabric's short name for '16-mixed') on accelerator='cpu'"
     with pytest.raises(ValueError, match=re.escape(expected)):
         lite.resolve(precision=16, accelerator="cpu", env={}, machine=CPU)
-    with lite.launch(strategy="single", accelerator="cpu"):
-        with pytest.raises(ValueError, match=re.escape("lite.autocast(precision='16-mixed') on cpu")):
-            with lite.autocast("16"):
-                pass
+    with (
+        lite.launch(strategy="single", accelerator="cpu"),
+        pytest.raises(ValueError, match=re.escape("lite.autocast(precision='16-mixed') on cpu")),
+        lite.autocast("16"),
+    ):
+        pass
 
 
 def test_short_spellings_agree_with_the_command_line_and_32_is_the_default():

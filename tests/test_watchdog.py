@@ -38,7 +38,7 @@ def _stack_of(chain: list[tuple[str, str]]) -> tuple[Look, threading.Lock, threa
     inner = "there.set(); gate.acquire()"
     for level, (name, filename) in reversed(list(enumerate(chain))):
         code = f"def {name}():\n    {inner}\n"
-        exec(compile(code, filename, "exec"), namespace)
+        exec(compile(code, filename, "exec"), namespace)  # a frame filed under that name
         namespace[f"level{level}"] = namespace.pop(name)
         inner = f"level{level}()"
     thread = threading.Thread(target=namespace["level0"], daemon=True)

@@ -2,8 +2,9 @@
 
 Each test starts the real tool and is skipped, with the reason, where the tool is missing
 (CI installs them: see .ci/run). Where SLURM is installed (and we are root), a SLURM that does
-not start is a failure, not a skip: a broken start-up path must not pass as "not here". The scripts are the ones our own launcher runs, unchanged:
-launch finds the world in the environment and joins it.
+not start is a failure, not a skip: a broken start-up path must not pass as "not here". The
+scripts are the ones our own launcher runs, unchanged: launch finds the world in the environment
+and joins it.
 """
 
 from __future__ import annotations

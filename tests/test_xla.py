@@ -167,7 +167,10 @@ def test_backward_before_torch_xla_is_explained(tmp_path):
 
 @pytest.mark.skipif(
     _tpu_chips() < 2,
-    reason="needs a TPU: strategy='xla' with several processes binds one TPU chip per process, and XLA:CPU cannot run collectives across processes upstream",
+    reason=(
+        "needs a TPU: strategy='xla' with several processes binds one TPU chip per process, "
+        "and XLA:CPU cannot run collectives across processes upstream"
+    ),
 )
 @pytest.mark.timeout(300)
 def test_multi_device_tpu(tmp_path):  # pragma: no cover - runs on TPU hosts only

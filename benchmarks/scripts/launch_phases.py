@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 stamp("torch")
 
 
-def _stamped(function, phase: str):
+def _stamped(function, phase: str):  # a thin timing wrapper
     def wrapper(*args, **kwargs):
         result = function(*args, **kwargs)
         stamp(phase)
@@ -65,7 +65,7 @@ if mode == "agent":
     sys.exit(0)
 
 
-def body(barrier, backward) -> None:
+def body(barrier, backward) -> None:  # the same steps under both APIs
     barrier()
     stamp("barrier")
     backward()

@@ -257,7 +257,7 @@ def reference_uneven(case: dict[str, Any], world: int) -> dict[str, Any]:
             grads[r] = [p.grad for p in models[r].parameters()]
         if sync:
             averaged = []
-            for k, p in enumerate(models[active[0]].parameters()):
+            for k in range(len(grads[active[0]])):
                 contributions = [grads[r][k] for r in active if grads[r][k] is not None]
                 averaged.append(sum(contributions) / world if contributions else None)
             for r in active:

@@ -33,6 +33,7 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -142,7 +143,7 @@ def big_save(name):
 
 
 def memory():
-    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024
 
 

@@ -183,7 +183,7 @@ def payloads_freed_by():
         for i in range(40):  # past what the library holds: all of ours above are freed by now
             lite.all_reduce(torch.tensor([float(i)]))
         whose[0] = "raw"
-        for i in range(100):
+        for _ in range(100):
             dist.all_reduce(torch.ones(4))
         time.sleep(0.2)  # gloo's threads let go of the last ones
     finally:

@@ -22,6 +22,7 @@ import gc
 import sys
 import warnings
 import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,9 +70,9 @@ def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm
             half = len(x) // 2
             with lite.no_backward_sync(model):
                 loss = loss_of(model, x[:half], y[:half])
-                inside = reductions_during(lambda: lite.backward(loss))
+                inside = reductions_during(partial(lite.backward, loss))
             loss = loss_of(model, x[half:], y[half:])
-            after = reductions_during(lambda: lite.backward(loss))
+            after = reductions_during(partial(lite.backward, loss))
             if reductions is not None:
                 reductions.append([inside, after])
         else:
@@ -83,10 +84,6 @@ def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm
         opt.step()
         opt.zero_grad()
     return norms
-
-
-def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 result: dict = {"strategy": strategy}

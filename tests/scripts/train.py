@@ -6,6 +6,7 @@ argv: strategy devices n batch_size [join]
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -50,7 +51,7 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
             }
         )
 if run.is_global_zero:  # this process wrote (under mpirun or srun every rank's process gets here)
-    record = json.load(open(os.environ["OUT"]))
+    record = json.loads(Path(os.environ["OUT"]).read_text())
     record["threads_before"], record["threads_after"] = threads_before, torch.get_num_threads()
     record["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     record["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
