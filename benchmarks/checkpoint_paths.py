@@ -11,7 +11,19 @@ from __future__ import annotations
 
 import shutil
 
-from common import PYTHON, SCRIPTS_DIR, Measurement, bench_env, failed, log, median, read_json, run_child, spread, temp_path
+from common import (
+    PYTHON,
+    SCRIPTS_DIR,
+    Measurement,
+    bench_env,
+    failed,
+    log,
+    median,
+    read_json,
+    run_child,
+    spread,
+    temp_path,
+)
 
 CALLS = 50
 METHOD = (
@@ -38,7 +50,10 @@ def measure(quick: bool) -> list[Measurement]:
     per_block = {mode: [median(block) for block in times] for mode, times in data.items()}
     check, barrier = pooled["check"], pooled["barrier"]
     save, bare = pooled["save"], pooled["save_without_check"]
-    log(f"path check {check * 1e3:.3f} ms, barrier {barrier * 1e3:.3f} ms; save {save * 1e3:.2f} ms vs {bare * 1e3:.2f} ms")
+    log(
+        f"path check {check * 1e3:.3f} ms, barrier {barrier * 1e3:.3f} ms; "
+        f"save {save * 1e3:.2f} ms vs {bare * 1e3:.2f} ms"
+    )
     raw = {"per_block_median_s": per_block, "wall_s": result.wall_s}
     return [
         Measurement(

@@ -71,7 +71,10 @@ def measure(quick: bool) -> list[Measurement]:
     for key, title, mode, baseline, unchecked in ROWS:
         value, base = median(data[mode]), median(data[baseline])
         fast = quantile(data[mode], 0.1) / quantile(data[baseline], 0.1)
-        note = f"fastest decile: {quantile(data[mode], 0.1) * 1e6:.0f} us vs {quantile(data[baseline], 0.1) * 1e6:.0f} us ({fast:.2f} x)"
+        note = (
+            f"fastest decile: {quantile(data[mode], 0.1) * 1e6:.0f} us "
+            f"vs {quantile(data[baseline], 0.1) * 1e6:.0f} us ({fast:.2f} x)"
+        )
         if unchecked is not None:
             plain = median(data[unchecked])
             note += (

@@ -89,7 +89,16 @@ def bench_env(**extra: str) -> dict[str, str]:
     Variables that would make a child think it is already inside a launched world are removed.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCOPEDLITE_", "TORCHELASTIC_"))}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
+    for key in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "NODE_RANK",
+    ):
         env.pop(key, None)
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -192,7 +201,7 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def noise_verdict(met: bool, ratios: Sequence[float], goal: float) -> str:
-    """"yes"/"no", qualified when the repeats disagree about which side of the goal we are."""
+    """ "yes"/"no", qualified when the repeats disagree about which side of the goal we are."""
     plain = "yes" if met else "**no**"
     if ratios and min(ratios) <= goal < max(ratios):
         return f"{plain} (inconclusive: repeats {min(ratios):.3f}-{max(ratios):.3f} span the goal)"

@@ -19,9 +19,9 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    installed_env,
     failed,
     free_port,
+    installed_env,
     log,
     median,
     noise_verdict,
@@ -97,8 +97,20 @@ def _compare(lite: Variant, other: Variant, label: str) -> list[Measurement]:
     if lite.errors or other.errors or not lite.step_medians or not other.step_medians:
         reason = "; ".join((lite.errors + other.errors)[:1]) or "no successful run"
         return [
-            failed(f"ddp_step_vs_{key}", f"DDP step time: scopedlite vs {label}", f"ratio <= {STEP_GOAL}", STEP_METHOD, reason),
-            failed(f"ddp_wall_vs_{key}", f"DDP whole-process wall time: scopedlite vs {label}", f"ratio <= {WALL_GOAL}", WALL_METHOD, reason),
+            failed(
+                f"ddp_step_vs_{key}",
+                f"DDP step time: scopedlite vs {label}",
+                f"ratio <= {STEP_GOAL}",
+                STEP_METHOD,
+                reason,
+            ),
+            failed(
+                f"ddp_wall_vs_{key}",
+                f"DDP whole-process wall time: scopedlite vs {label}",
+                f"ratio <= {WALL_GOAL}",
+                WALL_METHOD,
+                reason,
+            ),
         ]
     step_l, step_o = median(lite.step_medians), median(other.step_medians)
     wall_l, wall_o = median(lite.walls), median(other.walls)

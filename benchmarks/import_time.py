@@ -24,10 +24,13 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import PYTHON, Measurement, copy_package, bench_env, failed, log, median, run_child, safe_ratio
+from common import PYTHON, Measurement, bench_env, copy_package, failed, log, median, run_child, safe_ratio
 
 GOAL_MS = 30.0
-TORCH_ONLY = "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); print(json.dumps({'torch_s': t1 - t0}))"
+TORCH_ONLY = (
+    "import time, json; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+    "print(json.dumps({'torch_s': t1 - t0}))"
+)
 # The child also times the full (generation 2) garbage collections that run while it imports:
 # after `import torch` the first one walks all of torch's objects, and whichever code allocates
 # enough next pays it (here, our import; in any program, its next few thousand objects).
@@ -37,7 +40,8 @@ WITH_LITE = (
     "import scopedlite; t2 = time.perf_counter(); "
     "[getattr(scopedlite, name) for name in scopedlite.__all__]; t3 = time.perf_counter(); "
     "gc.callbacks.clear(); "
-    "print(json.dumps({'torch_s': t1 - t0, 'import_s': t2 - t1, 'api_s': t3 - t1, 'full_gc_s': sum(full[1::2]) - sum(full[0::2]), "
+    "print(json.dumps({'torch_s': t1 - t0, 'import_s': t2 - t1, 'api_s': t3 - t1, "
+    "'full_gc_s': sum(full[1::2]) - sum(full[0::2]), "
     "'file': scopedlite.__file__}))"
 )
 BREAKDOWN = "import torch; import scopedlite; [getattr(scopedlite, name) for name in scopedlite.__all__]"
@@ -96,7 +100,9 @@ def measure(quick: bool) -> list[Measurement]:
         }
         torch_walls: list[float] = []
         torch_inside: list[float] = []
-        samples: dict[str, dict[str, list[float]]] = {s: {"import_s": [], "api_s": [], "wall_s": [], "full_gc_s": []} for s in envs}
+        samples: dict[str, dict[str, list[float]]] = {
+            s: {"import_s": [], "api_s": [], "wall_s": [], "full_gc_s": []} for s in envs
+        }
         try:
             for i in range(runs):
                 order = ["torch", "cached", "uncached"]
@@ -115,26 +121,59 @@ def measure(quick: bool) -> list[Measurement]:
                         samples[which]["full_gc_s"].append(data["full_gc_s"])
             breakdown = _breakdown(envs["cached"], Path(tmp))
         except RuntimeError as e:
-            return [failed("import_time", "import scopedlite after import torch", f"<= {GOAL_MS:.0f} ms", METHOD.format(what="`import scopedlite`", n=runs), str(e))]
+            return [
+                failed(
+                    "import_time",
+                    "import scopedlite after import torch",
+                    f"<= {GOAL_MS:.0f} ms",
+                    METHOD.format(what="`import scopedlite`", n=runs),
+                    str(e),
+                )
+            ]
 
     torch_s = median(torch_inside)
     torch_label = f"import torch: {torch_s:.2f} s (process {median(torch_walls):.2f} s)"
     slow = ", ".join(f"{n} {t:.1f}" for n, t in list(breakdown["slowest_scopedlite_modules_ms"].items())[:3])  # type: ignore[union-attr]
     extra = ", ".join(breakdown["other_modules_loaded"]) or "none"  # type: ignore[arg-type]
     specs = [
-        ("import_cached", "cached", "import_s", "import scopedlite after import torch (.pyc cached, as pip installs it)", "`import scopedlite`", True),
-        ("import_api_cached", "cached", "api_s", "import scopedlite + resolve every public name (.pyc cached)", "`import scopedlite` + getattr of all `__all__`", False),
-        ("import_api_uncached", "uncached", "api_s", "import scopedlite + resolve every public name, no .pyc (PYTHONDONTWRITEBYTECODE=1, as here)", "`import scopedlite` + getattr of all `__all__`", False),
+        (
+            "import_cached",
+            "cached",
+            "import_s",
+            "import scopedlite after import torch (.pyc cached, as pip installs it)",
+            "`import scopedlite`",
+            True,
+        ),
+        (
+            "import_api_cached",
+            "cached",
+            "api_s",
+            "import scopedlite + resolve every public name (.pyc cached)",
+            "`import scopedlite` + getattr of all `__all__`",
+            False,
+        ),
+        (
+            "import_api_uncached",
+            "uncached",
+            "api_s",
+            "import scopedlite + resolve every public name, no .pyc (PYTHONDONTWRITEBYTECODE=1, as here)",
+            "`import scopedlite` + getattr of all `__all__`",
+            False,
+        ),
     ]
     rows = []
     for key, state, field, title, what, judged in specs:
         values = samples[state][field]
         ms = median(values) * 1e3
-        note = f"samples {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms; process wall with scopedlite {median(samples[state]['wall_s']):.2f} s"
+        note = (
+            f"samples {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms; "
+            f"process wall with scopedlite {median(samples[state]['wall_s']):.2f} s"
+        )
         if field == "api_s":
             note += (
                 f"; of which full garbage collections (the first after `import torch` walks all of torch's objects; "
-                f"any program pays it at its next few thousand allocations) median {median(samples[state]['full_gc_s']) * 1e3:.1f} ms"
+                f"any program pays it at its next few thousand allocations) "
+                f"median {median(samples[state]['full_gc_s']) * 1e3:.1f} ms"
             )
         if key == "import_api_cached":
             note += f"; slowest own modules (-X importtime self ms): {slow}; modules loaded that torch had not: {extra}"
@@ -155,7 +194,12 @@ def measure(quick: bool) -> list[Measurement]:
                 baseline_label=torch_label,
                 goal_fraction=ms / GOAL_MS,
                 note=note,
-                raw={**samples[state], "torch_import_s": torch_inside, "torch_only_walls_s": torch_walls, **({"importtime": breakdown} if key == "import_api_cached" else {})},
+                raw={
+                    **samples[state],
+                    "torch_import_s": torch_inside,
+                    "torch_only_walls_s": torch_walls,
+                    **({"importtime": breakdown} if key == "import_api_cached" else {}),
+                },
             )
         )
     return rows

@@ -15,7 +15,21 @@ repeating samples) and torch's bare ``Join`` over the same shards. Goal: <= 1.1 
 
 from __future__ import annotations
 
-from common import PYTHON, SCRIPTS_DIR, Measurement, bench_env, failed, log, median, noise_verdict, read_json, run_child, safe_ratio, spread, temp_path
+from common import (
+    PYTHON,
+    SCRIPTS_DIR,
+    Measurement,
+    bench_env,
+    failed,
+    log,
+    median,
+    noise_verdict,
+    read_json,
+    run_child,
+    safe_ratio,
+    spread,
+    temp_path,
+)
 
 EVEN_WARMUP = 5
 EVEN_STEPS = 60
@@ -27,7 +41,8 @@ LIST_GOAL = 1.05  # a plain loop: one round per step
 UNEVEN_GOAL = 1.1
 EVEN_METHOD = (
     f"one 2-proc launch; blocks of {EVEN_WARMUP}+{EVEN_STEPS} steps (MLP 3x512, batch 64) without "
-    "join, in lite.join, in torch Join (ddp), over a set-up loader and over a plain list of its batches, rotating; rank 0 perf_counter per step, warm-up excluded; "
+    "join, in lite.join, in torch Join (ddp), over a set-up loader and over a plain list of its batches, "
+    "rotating; rank 0 perf_counter per step, warm-up excluded; "
     "ratio of pooled medians, per-block ratios in the note"
 )
 UNEVEN_METHOD = (
@@ -46,7 +61,15 @@ def _even(quick: bool, strategy: str = "ddp") -> list[Measurement]:
         "" if strategy == "ddp" else f" ({strategy})"
     )
     out = temp_path()
-    command = [PYTHON, str(SCRIPTS_DIR / "join_even.py"), str(out), str(EVEN_WARMUP), str(EVEN_STEPS), str(blocks), strategy]
+    command = [
+        PYTHON,
+        str(SCRIPTS_DIR / "join_even.py"),
+        str(out),
+        str(EVEN_WARMUP),
+        str(EVEN_STEPS),
+        str(blocks),
+        strategy,
+    ]
     result = run_child(command, bench_env(), timeout=300)
     if not result.ok or not out.exists():
         return [
@@ -57,18 +80,38 @@ def _even(quick: bool, strategy: str = "ddp") -> list[Measurement]:
     out.unlink()
     torch_samples = [t for b in data["torch_join"] for t in b]
     torch_joined = median(torch_samples) if torch_samples else None
-    reference = f"torch's own Join([model]) (reference): {torch_joined * 1e3:.2f} ms/step" if torch_joined else (
-        "torch's Join has no sharded counterpart"
+    reference = (
+        f"torch's own Join([model]) (reference): {torch_joined * 1e3:.2f} ms/step"
+        if torch_joined
+        else ("torch's Join has no sharded counterpart")
     )
     return [
-        _even_row(data, "plain", "join", f"join_even{suffix}", title, EVEN_GOAL, result.wall_s,
-                  f"{reference}; inside lite.join on even data: one round when the pass begins, none per step"),
-        _even_row(data, "list", "join_list", f"join_list{suffix}", list_title, LIST_GOAL, result.wall_s,
-                  f"{reference}; a loop over a list: one round per step (at its forward)"),
+        _even_row(
+            data,
+            "plain",
+            "join",
+            f"join_even{suffix}",
+            title,
+            EVEN_GOAL,
+            result.wall_s,
+            f"{reference}; inside lite.join on even data: one round when the pass begins, none per step",
+        ),
+        _even_row(
+            data,
+            "list",
+            "join_list",
+            f"join_list{suffix}",
+            list_title,
+            LIST_GOAL,
+            result.wall_s,
+            f"{reference}; a loop over a list: one round per step (at its forward)",
+        ),
     ]
 
 
-def _even_row(data: dict, base: str, mode: str, key: str, title: str, goal: float, wall_s: float, about: str) -> Measurement:
+def _even_row(
+    data: dict, base: str, mode: str, key: str, title: str, goal: float, wall_s: float, about: str
+) -> Measurement:
     plain_blocks = [median(b) for b in data[base]]
     join_blocks = [median(b) for b in data[mode]]
     plain = median([t for b in data[base] for t in b])
@@ -110,14 +153,25 @@ def _even_row(data: dict, base: str, mode: str, key: str, title: str, goal: floa
 def _coverage(seen: list[list[int]]) -> str:
     """'334/333/333 batches, 1000 distinct, 0 repeated' for one mode."""
     flat = [i for rank in seen for i in rank]
-    return f"{'/'.join(str(len(r)) for r in seen)} samples per rank, {len(set(flat))} distinct, {len(flat) - len(set(flat))} repeated"
+    return (
+        f"{'/'.join(str(len(r)) for r in seen)} samples per rank, "
+        f"{len(set(flat))} distinct, {len(flat) - len(set(flat))} repeated"
+    )
 
 
 def _uneven(quick: bool) -> list[Measurement]:
     epochs = 1 if quick else 2
     title = f"Join on uneven shards ({UNEVEN_SAMPLES} samples, {UNEVEN_RANKS} ranks, batch {UNEVEN_BATCH}): epoch time"
     out = temp_path()
-    command = [PYTHON, str(SCRIPTS_DIR / "join_uneven.py"), str(out), str(UNEVEN_SAMPLES), str(UNEVEN_BATCH), str(epochs), str(UNEVEN_RANKS)]
+    command = [
+        PYTHON,
+        str(SCRIPTS_DIR / "join_uneven.py"),
+        str(out),
+        str(UNEVEN_SAMPLES),
+        str(UNEVEN_BATCH),
+        str(epochs),
+        str(UNEVEN_RANKS),
+    ]
     result = run_child(command, bench_env(), timeout=180)
     if not result.ok or not out.exists():
         return [failed("join_uneven", title, "-", UNEVEN_METHOD, result.describe())]
@@ -143,11 +197,17 @@ def _uneven(quick: bool) -> list[Measurement]:
                 goal=f"<= {UNEVEN_GOAL} x torch Join" if goal else "- (reported)",
                 goal_ratio=UNEVEN_GOAL if goal else None,
                 met=(ratio is not None and ratio <= UNEVEN_GOAL) if goal else None,
-                verdict=noise_verdict(ratio is not None and ratio <= UNEVEN_GOAL, per_epoch, UNEVEN_GOAL) if goal else "",
+                verdict=noise_verdict(ratio is not None and ratio <= UNEVEN_GOAL, per_epoch, UNEVEN_GOAL)
+                if goal
+                else "",
                 method=UNEVEN_METHOD,
                 value_label=f"{epoch['join']:.2f} s (lite.join)",
                 baseline_label=f"{epoch[baseline]:.2f} s ({label})",
-                note=f"lite.join: {coverage['join']}; {label}: {coverage[baseline]}; epochs {len(data['epoch_s']['join'])} per mode; per-epoch ratios {', '.join(f'{r:.3f}' for r in per_epoch)}",
+                note=(
+                    f"lite.join: {coverage['join']}; {label}: {coverage[baseline]}; "
+                    f"epochs {len(data['epoch_s']['join'])} per mode; "
+                    f"per-epoch ratios {', '.join(f'{r:.3f}' for r in per_epoch)}"
+                ),
                 raw=raw,
             )
         )

@@ -18,9 +18,9 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    installed_env,
     failed,
     free_port,
+    installed_env,
     log,
     median,
     run_child,
@@ -45,8 +45,16 @@ def _run(mode: str) -> tuple[list[float] | None, str]:
     out = temp_path(".txt")
     cmd = [PYTHON]
     if mode == "torchrun":
-        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port())]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+        ]
     cmd += [str(SCRIPTS_DIR / "launch_first_line.py"), mode, str(out)]
     started = time.time()
     result = run_child(cmd, installed_env(), timeout=90)
@@ -75,7 +83,10 @@ def measure(quick: bool) -> list[Measurement]:
                 continue
             last[mode].append(max(latencies))
             rank0[mode].append(latencies[0])
-            log(f"  launch {mode} ({repeat + 1}/{repeats}): " + ", ".join(f"rank {r} {v:.2f} s" for r, v in enumerate(latencies)))
+            log(
+                f"  launch {mode} ({repeat + 1}/{repeats}): "
+                + ", ".join(f"rank {r} {v:.2f} s" for r, v in enumerate(latencies))
+            )
 
     if not last["torchrun"]:
         base = None
@@ -89,10 +100,15 @@ def measure(quick: bool) -> list[Measurement]:
             continue
         value = median(last[mode])
         note = (
-            f"last rank samples {', '.join(f'{v:.2f}' for v in last[mode])} s; rank 0 median {median(rank0[mode]):.2f} s; "
+            f"last rank samples {', '.join(f'{v:.2f}' for v in last[mode])} s; "
+            f"rank 0 median {median(rank0[mode]):.2f} s; "
             f"torchrun samples {', '.join(f'{v:.2f}' for v in last['torchrun'])} s"
             + (f", rank 0 median {median(rank0['torchrun']):.2f} s" if rank0["torchrun"] else "")
-            + (f"; problems: {'; '.join(problems[mode] + problems['torchrun'])}" if problems[mode] or problems["torchrun"] else "")
+            + (
+                f"; problems: {'; '.join(problems[mode] + problems['torchrun'])}"
+                if problems[mode] or problems["torchrun"]
+                else ""
+            )
         )
         rows.append(
             Measurement(
@@ -108,8 +124,13 @@ def measure(quick: bool) -> list[Measurement]:
                 value_label=f"{value:.2f} s",
                 baseline_label="torchrun failed" if base is None else f"{base:.2f} s (torchrun)",
                 note=note,
-                raw={"last_rank_s": last[mode], "rank0_s": rank0[mode], "torchrun_last_rank_s": last["torchrun"],
-                     "torchrun_rank0_s": rank0["torchrun"], "problems": problems},
+                raw={
+                    "last_rank_s": last[mode],
+                    "rank0_s": rank0[mode],
+                    "torchrun_last_rank_s": last["torchrun"],
+                    "torchrun_rank0_s": rank0["torchrun"],
+                    "problems": problems,
+                },
             )
         )
     return rows

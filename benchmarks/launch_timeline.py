@@ -27,9 +27,9 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
-    installed_env,
     failed,
     free_port,
+    installed_env,
     log,
     median,
     noise_verdict,
@@ -62,7 +62,8 @@ GOALS = {("script", "first_line"): 0.75, ("fork", "first_line"): 0.5, ("script",
 METHOD = (
     "2 CPU procs, gloo, OMP_NUM_THREADS=1; the same short DDP program (Linear(8, 8), one barrier, one step); "
     "time.time() stamps written by every process at each phase, from the driver's time.time() before spawn "
-    "to the last process that has to pass it; scopedlite from a compiled copy (.pyc, as installed); median of {n}, the three ways alternating"
+    "to the last process that has to pass it; scopedlite from a compiled copy (.pyc, as installed); "
+    "median of {n}, the three ways alternating"
 )
 
 
@@ -82,12 +83,16 @@ def _read_stamps(out: Path) -> list[tuple[str, dict[str, float]]]:
     return processes
 
 
-def _timeline(mode: str, processes: list[tuple[str, dict[str, float]]], started: float, ended: float) -> dict[str, float]:
+def _timeline(
+    mode: str, processes: list[tuple[str, dict[str, float]]], started: float, ended: float
+) -> dict[str, float]:
     """Phase -> seconds since the spawn, for one run (a phase nobody stamped is left out)."""
     launcher = [s for role, s in processes if role == "launcher"]
     workers = [s for role, s in processes if role == "worker"]
     if len(launcher) != 1 or len(workers) != 2 - (mode != "torchrun"):
-        raise RuntimeError(f"{mode}: expected one launching process and its workers, got roles {[r for r, _ in processes]}")
+        raise RuntimeError(
+            f"{mode}: expected one launching process and its workers, got roles {[r for r, _ in processes]}"
+        )
     ranks = workers if mode == "torchrun" else launcher + workers
     rows: dict[str, float] = {}
     for key, _title, who in PHASES:
@@ -99,7 +104,15 @@ def _timeline(mode: str, processes: list[tuple[str, dict[str, float]]], started:
         elif key == "worker_torch":
             group, phase = workers, "torch"
         else:
-            group, phase = {"launcher": launcher, "workers": workers, "ranks": ranks, "end": launcher if mode != "torchrun" else ranks}[who], key
+            group, phase = (
+                {
+                    "launcher": launcher,
+                    "workers": workers,
+                    "ranks": ranks,
+                    "end": launcher if mode != "torchrun" else ranks,
+                }[who],
+                key,
+            )
         values = [s[phase] for s in group if phase in s]
         if values and len(values) == len(group):
             rows[key] = max(values) - started
@@ -111,7 +124,17 @@ def _run(mode: str) -> dict[str, float]:
     script = str(SCRIPTS_DIR / "launch_phases.py")
     cmd = [PYTHON, script, "agent" if mode == "torchrun" else mode, str(out)]
     if mode == "torchrun":
-        cmd += ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "torchrun", str(out)]
+        cmd += [
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            script,
+            "torchrun",
+            str(out),
+        ]
     started = time.time()
     result = run_child(cmd, installed_env(), timeout=120)
     ended = time.time()
@@ -132,6 +155,14 @@ def _table(medians: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _label(value: float | None, mode: str, base: float | None) -> str:
+    """A mode's median and its ratio to torchrun's (``base``), as a results row shows them."""
+    if value is None:
+        return f"{mode} -"
+    ratio = safe_ratio(value, base)
+    return f"{mode} {value:.2f} s" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
 def measure(quick: bool) -> list[Measurement]:
     repeats = 3 if quick else 5
     method = METHOD.format(n=repeats)
@@ -146,10 +177,15 @@ def measure(quick: bool) -> list[Measurement]:
                 log(f"  timeline {mode}: FAILED {e}")
                 continue
             samples[mode].append(timeline)
-            log(f"  timeline {mode} ({repeat + 1}/{repeats}): " + ", ".join(f"{k} {v:.2f}" for k, v in timeline.items()))
+            log(
+                f"  timeline {mode} ({repeat + 1}/{repeats}): " + ", ".join(f"{k} {v:.2f}" for k, v in timeline.items())
+            )
     if not all(samples.values()):
         return [failed("launch_timeline", "Launch timeline", "-", method, "; ".join(problems) or "no run")]
-    medians = {m: {k: median([t[k] for t in samples[m] if k in t]) for k, _, _ in PHASES if any(k in t for t in samples[m])} for m in MODES}
+    medians = {
+        m: {k: median([t[k] for t in samples[m] if k in t]) for k, _, _ in PHASES if any(k in t for t in samples[m])}
+        for m in MODES
+    }
     log("launch timeline (median seconds since the command was started):\n" + _table(medians))
     rows = []
     for key, title, _who in PHASES:
@@ -162,14 +198,10 @@ def measure(quick: bool) -> list[Measurement]:
             ok = all(medians[m][key] / base <= g for m, g in goals.items())
             met = ok
             per_pair = {m: [t[key] / b[key] for t, b in zip(samples[m], samples["torchrun"])] for m in goals}
-            verdict = "; ".join(f"{m}: {noise_verdict(medians[m][key] / base <= g, per_pair[m], g)}" for m, g in goals.items())
+            verdict = "; ".join(
+                f"{m}: {noise_verdict(medians[m][key] / base <= g, per_pair[m], g)}" for m, g in goals.items()
+            )
         fork_ratio = safe_ratio(fork, base)
-
-        def label(value: float | None, mode: str) -> str:
-            if value is None:
-                return f"{mode} -"
-            ratio = safe_ratio(value, base)
-            return f"{mode} {value:.2f} s" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
         rows.append(
             Measurement(
@@ -184,7 +216,7 @@ def measure(quick: bool) -> list[Measurement]:
                 met=met,
                 verdict=verdict,
                 method=method if key == PHASES[0][0] else "as the first launch-timeline row",
-                value_label=f"{label(script, 'script')}; {label(fork, 'fork')}",
+                value_label=f"{_label(script, 'script', base)}; {_label(fork, 'fork', base)}",
                 baseline_label="-" if base is None else f"{base:.2f} s (torchrun)",
                 note=(
                     f"script samples {', '.join(f'{t[key]:.2f}' for t in samples['script'] if key in t) or '-'}; "

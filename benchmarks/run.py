@@ -27,7 +27,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, Measurement, failed, log  # noqa: E402
+from common import BENCH_DIR, Measurement, failed, log
 
 # Module name -> what it measures. Order is the order of the table.
 MODULES: dict[str, str] = {
@@ -45,7 +45,12 @@ MODULES: dict[str, str] = {
     "save_stall": "lite.save(blocking=False): the training loop's stall per save vs a blocking save",
 }
 # Results written before rows carried their module: the module a row came from, by key prefix.
-_KEY_PREFIXES = {"ddp_": "ddp_vs_torchrun", "import_": "import_time", "crash_": "crash_latency", "join_": "join_overhead"}
+_KEY_PREFIXES = {
+    "ddp_": "ddp_vs_torchrun",
+    "import_": "import_time",
+    "crash_": "crash_latency",
+    "join_": "join_overhead",
+}
 
 
 def module_of(result: dict[str, object]) -> str:
@@ -100,7 +105,7 @@ def run_all(quick: bool, only: list[str]) -> list[Measurement]:
         try:
             measure: Callable[[bool], list[Measurement]] = importlib.import_module(name).measure
             new = measure(quick)
-        except Exception as e:  # one broken measurement must not lose the others
+        except Exception as e:  # noqa: BLE001 - one broken measurement must not lose the others
             new = [failed(name, description, "-", f"benchmarks/{name}.py", f"{type(e).__name__}: {e}")]
             traceback.print_exc()
         MODULE_OF_ROW.update((id(row), name) for row in new)
@@ -140,7 +145,8 @@ def write_markdown(path: Path, rows: list[Measurement], meta: dict[str, object])
                     f"are kept from earlier runs ({'; '.join(meta['kept_from'])})."
                 )
             ]
-            if meta.get("kept_from") else []
+            if meta.get("kept_from")
+            else []
         ),
         "",
         "| Measurement | scopedlite | baseline | ratio | goal | met | how measured |",
@@ -150,7 +156,11 @@ def write_markdown(path: Path, rows: list[Measurement], meta: dict[str, object])
         value = row.value_label or ("-" if row.value is None else f"{row.value:.3g} {row.unit}")
         baseline = row.baseline_label or ("-" if row.baseline is None else f"{row.baseline:.3g} {row.unit}")
         lines.append(
-            "| " + " | ".join(_cell(c) for c in (row.title, value, baseline, _fmt_ratio(row), row.goal, _fmt_met(row), row.method)) + " |"
+            "| "
+            + " | ".join(
+                _cell(c) for c in (row.title, value, baseline, _fmt_ratio(row), row.goal, _fmt_met(row), row.method)
+            )
+            + " |"
         )
     lines += ["", "## Notes per row", ""]
     for row in rows:
@@ -169,7 +179,9 @@ def update_docs_page(page: Path, results_md: str) -> str:
     if not page.exists() or DOCS_START not in page.read_text():
         return f"{page} has no results markers: not updated"
     body = results_md.split("\n", 2)[2]  # without the "# scopedlite benchmarks" title
-    body = body.replace("See `benchmarks/README.md` for what each number means; raw samples are in `results.json`.\n", "")
+    body = body.replace(
+        "See `benchmarks/README.md` for what each number means; raw samples are in `results.json`.\n", ""
+    )
     body = body.replace("## Notes per row", "### Notes per row")
     text = page.read_text()
     head, rest = text.split(DOCS_START, 1)
@@ -191,19 +203,25 @@ def write_plot(path: Path, rows: list[Measurement]) -> str:
     # Of the launch timeline only the phases with a goal: the others are in the table.
     timeline_shown = ("launch_timeline_first_line", "launch_timeline_exit")
     ratios = [
-        r for r in rows
-        if r.ratio is not None and not r.key.startswith("import")
+        r
+        for r in rows
+        if r.ratio is not None
+        and not r.key.startswith("import")
         and (not r.key.startswith("launch_timeline") or r.key in timeline_shown)
     ]
     budgets = [r for r in rows if r.goal_fraction is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [max(1, len(ratios)), max(1, len(budgets))]})
+    fig, axes = plt.subplots(
+        1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [max(1, len(ratios)), max(1, len(budgets))]}
+    )
     left, right = axes
     _bars(left, ratios, [r.ratio for r in ratios], [r.goal_ratio for r in ratios])  # type: ignore[misc]
     left.axhline(1.0, color="grey", linewidth=0.8)
     left.set_title("ratio scopedlite / baseline (lower is better)")
     _bars(right, budgets, [r.goal_fraction for r in budgets], [1.0] * len(budgets))  # type: ignore[misc]
     right.set_title("fraction of the goal's budget (<= 1 meets it)")
-    fig.text(0.01, 0.01, "dashed: goal. green: met, red: not met, orange: repeats span the goal, blue: info only", fontsize=8)
+    fig.text(
+        0.01, 0.01, "dashed: goal. green: met, red: not met, orange: repeats span the goal, blue: info only", fontsize=8
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -268,7 +286,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats: about half the time, noisier")
     parser.add_argument("--only", nargs="*", default=[], choices=list(MODULES), help="run only these measurements")
     parser.add_argument(
-        "--merge", action="store_true",
+        "--merge",
+        action="store_true",
         help="with --only: keep the rows of the other measurements from the existing results.json",
     )
     args = parser.parse_args()

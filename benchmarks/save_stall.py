@@ -15,13 +15,26 @@ from __future__ import annotations
 
 import shutil
 
-from common import PYTHON, SCRIPTS_DIR, Measurement, bench_env, failed, log, median, noise_verdict, read_json, run_child, temp_path
+from common import (
+    PYTHON,
+    SCRIPTS_DIR,
+    Measurement,
+    bench_env,
+    failed,
+    log,
+    median,
+    noise_verdict,
+    read_json,
+    run_child,
+    temp_path,
+)
 
 GOAL = 0.10
 STRATEGIES = ("ddp", "fsdp")
 METHOD = (
     "one 2-proc launch per strategy (gloo, 1 thread per process): a 201 MB model (12 x Linear(2048, 2048), "
-    "float32; the model and a step count) saved to /tmp in rounds of one blocking and one background lite.save, order alternating, "
+    "float32; the model and a step count) saved to /tmp in rounds of one blocking and one background "
+    "lite.save, order alternating, "
     "after one untimed save of each kind; rank 0 perf_counter in lite.save (background: + the wait once "
     "written); ddp trains its last layer between saves, fsdp polls every 50 ms (its step would all-gather "
     "the model); ratio of medians"
@@ -34,7 +47,10 @@ def measure(quick: bool) -> list[Measurement]:
 
 
 def _one(strategy: str, rounds: int) -> Measurement:
-    key, title = f"save_stall_{strategy}", f"lite.save of a 201 MB model under {strategy} (2 ranks): training stall, blocking=False vs blocking"
+    key, title = (
+        f"save_stall_{strategy}",
+        f"lite.save of a 201 MB model under {strategy} (2 ranks): training stall, blocking=False vs blocking",
+    )
     goal = f"<= {GOAL} x blocking"
     out, folder = temp_path(), temp_path("")
     folder.mkdir()
@@ -66,7 +82,8 @@ def _one(strategy: str, rounds: int) -> Measurement:
         baseline_label=f"{blocking * 1e3:.0f} ms (blocking)",
         note=(
             f"per-round ratios {', '.join(f'{r:.3f}' for r in per_round)}; a plain copy of rank 0's tensors into "
-            f"buffers allocated before (the floor) {median(data['copy_floor']) * 1e3:.0f} ms; the first background call (buffers "
+            f"buffers allocated before (the floor) {median(data['copy_floor']) * 1e3:.0f} ms; "
+            f"the first background call (buffers "
             f"allocated) {data['first_background'] * 1e3:.0f} ms; of a background stall, the wait after the write "
             f"{median(data['wait']) * 1e3:.1f} ms; loop step while a write runs {writing * 1e3:.0f} ms vs "
             f"{plain * 1e3:.0f} ms without ({len(data['writing_steps'])} steps over {rounds} writes; 2 shared cores: "

@@ -39,7 +39,9 @@ MB = 1e6
 
 def _run(strategy: str, variant: str) -> tuple[dict | None, str]:
     out = temp_path()
-    result = run_child([PYTHON, str(SCRIPTS_DIR / "sharded_memory.py"), strategy, str(out), variant], bench_env(), timeout=300)
+    result = run_child(
+        [PYTHON, str(SCRIPTS_DIR / "sharded_memory.py"), strategy, str(out), variant], bench_env(), timeout=300
+    )
     try:
         if not result.ok or not out.exists():
             return None, result.describe()
@@ -60,19 +62,32 @@ def measure(quick: bool) -> list[Measurement]:
         sharded = strategy != "ddp"
         goal = "params <= 1/2 of the model" if sharded else "- (reference: every rank holds all)"
         if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-            rows.append(failed(f"sharded_memory_{strategy}", title, goal, METHOD, "deepspeed is not installed (pip install scopedlite[deepspeed])"))
+            rows.append(
+                failed(
+                    f"sharded_memory_{strategy}",
+                    title,
+                    goal,
+                    METHOD,
+                    "deepspeed is not installed (pip install scopedlite[deepspeed])",
+                )
+            )
             continue
         big, error = _run(strategy, "big")
         control, control_error = _run(strategy, "control") if big else (None, "")
         if big is None or control is None:
-            rows.append(failed(f"sharded_memory_{strategy}", title, goal, METHOD, (error or control_error).splitlines()[0]))
+            rows.append(
+                failed(f"sharded_memory_{strategy}", title, goal, METHOD, (error or control_error).splitlines()[0])
+            )
             log(f"  memory {strategy}: FAILED {error or control_error}")
             continue
         full = big["full_bytes"]
         params = max(r["param_bytes"] for r in big["ranks"])
         built = _growth(big, "rss_built") - _growth(control, "rss_built")
         ready = _growth(big, "rss_ready") - _growth(control, "rss_ready")
-        log(f"  memory {strategy}: params {params / MB:.1f} MB of {full / MB:.1f}; RSS net {built / MB:+.1f} MB built, {ready / MB:+.1f} MB set up")
+        log(
+            f"  memory {strategy}: params {params / MB:.1f} MB of {full / MB:.1f}; "
+            f"RSS net {built / MB:+.1f} MB built, {ready / MB:+.1f} MB set up"
+        )
         half = -(-full // 2) + 4096  # a shard may be padded by a few elements
         rows.append(
             Measurement(

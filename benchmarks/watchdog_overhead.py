@@ -50,7 +50,8 @@ def measure(quick: bool) -> list[Measurement]:
     cpu = {name: median([t for b in blocks_ for t in b]) for name, blocks_ in data["cpu"].items()}
     cpu_ratio = safe_ratio(cpu["default"], cpu["off"])
     log(
-        f"watchdog: off {pooled['off'] * 1e3:.2f} ms, default {pooled['default'] * 1e3:.2f} ms, eager {pooled['eager'] * 1e3:.2f} ms; one look {look * 1e6:.0f} us"
+        f"watchdog: off {pooled['off'] * 1e3:.2f} ms, default {pooled['default'] * 1e3:.2f} ms, "
+        f"eager {pooled['eager'] * 1e3:.2f} ms; one look {look * 1e6:.0f} us"
     )
     return [
         Measurement(

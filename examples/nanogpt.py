@@ -100,7 +100,9 @@ class GPT(nn.Module):
             n_params -= self.transformer.wpe.weight.numel()
         return n_params
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         pos = torch.arange(idx.size(1), device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
@@ -135,7 +137,9 @@ def token_stream(length: int) -> torch.Tensor:
     return data
 
 
-def get_batch(data: torch.Tensor, generator: torch.Generator, batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    data: torch.Tensor, generator: torch.Generator, batch_size: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """nanoGPT's: random windows of the stream (this rank's generator decides where)."""
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     x = torch.stack([data[i : i + block_size] for i in ix])
@@ -143,7 +147,9 @@ def get_batch(data: torch.Tensor, generator: torch.Generator, batch_size: int, b
     return lite.to_device(x), lite.to_device(y)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor, args: argparse.Namespace) -> list[float]:
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor, args: argparse.Namespace
+) -> list[float]:
     """nanoGPT's loop, ported; returns the losses rank 0 logged (empty on the other ranks)."""
     run = lite.current()
     master_process = run.is_global_zero
@@ -208,8 +214,10 @@ def main() -> None:
         with lite.join(model) if args.join else contextlib.nullcontext():
             losses = train(model, optimizer, data, args)
         if run.is_global_zero:
-            print(f"{run.world_size} processes, {args.strategy}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                  f"perplexity {math.exp(losses[-1]):.2f}")
+            print(
+                f"{run.world_size} processes, {args.strategy}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                f"perplexity {math.exp(losses[-1]):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,10 @@ def main() -> None:
     plain = Net()
     rest = lite.load(args.checkpoint, {"model": plain})
     assert rest == {"epochs": args.epochs}
-    print(f"saved to {args.checkpoint}/; plain model loaded from it: loss {full_loss(plain, data):.6f} "
-          f"(in the run: {final:.6f})")
+    print(
+        f"saved to {args.checkpoint}/; plain model loaded from it: loss {full_loss(plain, data):.6f} "
+        f"(in the run: {final:.6f})"
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+
 from zygote import Zygote
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,9 +58,7 @@ _BUILD_OP = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "deepspeed_op: uses DeepSpeed's C++ op, built once before the first such test"
-    )
+    config.addinivalue_line("markers", "deepspeed_op: uses DeepSpeed's C++ op, built once before the first such test")
 
 
 # The longest files first. The two workers take whole files (pyproject: --dist loadfile), in
@@ -164,8 +163,10 @@ def no_leaks():
     deadline = time.monotonic() + 5
     while True:
         leftover = [
-            p for p in psutil.Process().children(recursive=True)
-            if p.pid not in children_before and p.pid not in (_ZYGOTE.pid, _DEEPSPEED_ZYGOTE.pid)
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in children_before
+            and p.pid not in (_ZYGOTE.pid, _DEEPSPEED_ZYGOTE.pid)
             and p.status() != psutil.STATUS_ZOMBIE
         ]
         if not leftover or time.monotonic() > deadline:
@@ -209,8 +210,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def run_warm(
-    script: Path | str, *args: str, tmp_path: Path, timeout: float = 90,
-    env: dict[str, str] | None = None, cwd: Path | None = None, deepspeed: bool | None = None,
+    script: Path | str,
+    *args: str,
+    tmp_path: Path,
+    timeout: float = 90,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    deepspeed: bool | None = None,
 ) -> ScriptResult:
     """Run ``python script *args`` forked from the zygote (tests/zygote.py: torch imported
     already, the script's launch forks its workers); the script may write JSON to $OUT.
@@ -237,7 +243,9 @@ def run_warm(
 def run_python(tmp_path):
     """Run ``python <argv...>`` in a fresh interpreter; the script may write JSON to $OUT."""
 
-    def run(*argv: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: Path | None = None) -> ScriptResult:
+    def run(
+        *argv: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> ScriptResult:
         out = tmp_path / f"out-{time.monotonic_ns()}.json"
         full_env = _env()
         full_env["OUT"] = str(out)

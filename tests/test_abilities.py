@@ -146,9 +146,7 @@ def _abilities_of(cls: type[Strategy]) -> list[str]:
     """The abilities ``cls`` has: the methods of the protocols it declares, and the hooks of
     the interface it overrides."""
     declared = [m for p in PROTOCOLS if issubclass(cls, p) for m in _protocol_methods(p)]
-    overridden = [
-        hook for hook in sorted(INTERFACE_HOOKS) if getattr(cls, hook) is not getattr(Strategy, hook, None)
-    ]
+    overridden = [hook for hook in sorted(INTERFACE_HOOKS) if getattr(cls, hook) is not getattr(Strategy, hook, None)]
     return declared + overridden
 
 
@@ -324,10 +322,8 @@ def test_join_under_a_strategy_without_it_names_the_strategies_that_have_it():
     so this runs without torch_xla (tests/test_xla.py runs it for real in the XLA venv)."""
     strategy = STRATEGIES["xla"]()
     assert not isinstance(strategy, abilities.SupportsJoin)
-    with _as_rank_of_two(strategy, 0):
-        with pytest.raises(RuntimeError) as refused:
-            with lite.join():
-                pytest.fail("the block ran")
+    with _as_rank_of_two(strategy, 0), pytest.raises(RuntimeError) as refused, lite.join():
+        pytest.fail("the block ran")
     supporting = (
         "'single', 'ddp', 'ddp_fork', 'ddp_notebook', 'fsdp', 'hsdp', 'model_parallel', 'deepspeed', "
         "'deepspeed_stage_1', 'deepspeed_stage_2', 'deepspeed_stage_2_offload', 'deepspeed_stage_3', "

@@ -30,7 +30,11 @@ def _modules() -> list[tuple[Path, ast.Module]]:
 def test_every_import_points_down():
     """import-linter's layers contract (pyproject.toml) holds."""
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"],
+        [
+            sys.executable,
+            "-c",
+            "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -50,7 +54,7 @@ def test_no_import_cycle_between_modules():
         seen[module] = 1
         for target in sorted(edges.get(module, ())):
             if seen.get(target) == 1:
-                cycles.append(path[path.index(target):] + [target] if target in path else [module, target])
+                cycles.append(path[path.index(target) :] + [target] if target in path else [module, target])
             elif target not in seen:
                 visit(target, [*path, target])
         seen[module] = 2
@@ -87,7 +91,14 @@ def _private_module(name: str) -> bool:
 
 # Underscore attributes that are not third-party internals: the standard library's documented
 # ones, our own markers on users' objects, and our own classes' attributes.
-_ALLOWED_ATTRIBUTES = {("sys", "_getframe"), ("sys", "_current_frames"), ("os", "_exit"), ("options", "_parser"), ("options", "_subcommand"), ("s", "_state")}
+_ALLOWED_ATTRIBUTES = {
+    ("sys", "_getframe"),
+    ("sys", "_current_frames"),
+    ("os", "_exit"),
+    ("options", "_parser"),
+    ("options", "_subcommand"),
+    ("s", "_state"),
+}
 
 
 def test_private_third_party_api_only_in_the_private_package():
@@ -103,7 +114,11 @@ def test_private_third_party_api_only_in_the_private_package():
                 found.extend(f"{where}:{node.lineno} import {a.name}" for a in node.names if _private_module(a.name))
             elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 owner = node.value.id if isinstance(node.value, ast.Name) else None
-                if owner in ("self", "cls") or (owner, node.attr) in _ALLOWED_ATTRIBUTES or node.attr.startswith("_lite_"):
+                if (
+                    owner in ("self", "cls")
+                    or (owner, node.attr) in _ALLOWED_ATTRIBUTES
+                    or node.attr.startswith("_lite_")
+                ):
                     continue
                 found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     assert not found, found

@@ -16,22 +16,23 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS
-
 import scopedlite as lite
+from conftest import SCRIPTS
 from scopedlite._io.canonical import Box, read_flat
 from scopedlite._io.reader import open_checkpoint
 from scopedlite._private.deepspeed_internals import ZeroSlot
 from scopedlite._strategies.deepspeed.checkpoint import _load_partition
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import assert_close  # noqa: E402
+from _common import assert_close
 
 
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias], "lr": 0.5}])
+    opt = torch.optim.AdamW(
+        [{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias], "lr": 0.5}]
+    )
     for _ in range(2):
         model(torch.randn(5, 3)).square().mean().backward()
         opt.step()
@@ -188,7 +189,7 @@ def test_a_plain_state_dict_file_is_refused_where_it_cannot_be_told_and_each_fix
     fresh, opt = _trained(seed=1)
     with pytest.raises(KeyError, match=r"nothing for \['opt'\]") as refused:
         lite.load(path, {"model": fresh, "opt": opt})
-    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})  # noqa: S307 - the line the error suggests
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})  # the line the error suggests
     _same(fresh.state_dict(), model.state_dict(), "the model loaded alone")
     fresh, opt = _trained(seed=1)
     moments = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
@@ -201,13 +202,13 @@ def test_a_plain_state_dict_file_is_refused_where_it_cannot_be_told_and_each_fix
     disc = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="holds 2 modules") as refused:
         lite.load(path, {"gen": gen, "disc": disc})
-    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "gen": gen})  # noqa: S307
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "gen": gen})
     _same(gen.state_dict(), model.state_dict(), "the module the fix names")
 
     with pytest.raises(KeyError, match=r"not the entries \['step'\]") as refused:
         lite.load(path, {"step": 0})
     fresh, _ = _trained(seed=1)
-    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})  # noqa: S307
+    eval(_suggested(str(refused.value)), {"lite": lite, "path": path, "model": fresh})
     _same(fresh.state_dict(), model.state_dict(), "the model the fix names")
     assert sorted(lite.load(path, {"step": 0}, strict=False)) == sorted(model.state_dict())  # as from any file
 
@@ -221,12 +222,15 @@ def test_entries_a_plain_torch_script_named_its_own_way_are_suggested_under_thei
     (``strict=False`` would restore nothing of the model)."""
     model, opt = _trained()
     path = tmp_path / "tutorial.pt"
-    torch.save({"epoch": 3, "model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "loss": 0.5}, path)
+    torch.save(
+        {"epoch": 3, "model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(), "loss": 0.5},
+        path,
+    )
     fresh, fresh_opt = _trained(seed=1)
     with pytest.raises(KeyError, match="under the checkpoint's names") as refused:
         lite.load(path, {"model": fresh, "optimizer": fresh_opt, "step": 0})
     suggested = re.search(r"lite\.load\(path, \{.*?\}\)", str(refused.value)).group(0)
-    rest = eval(suggested, {"lite": lite, "path": path, "model": fresh, "optimizer": fresh_opt})  # noqa: S307
+    rest = eval(suggested, {"lite": lite, "path": path, "model": fresh, "optimizer": fresh_opt})
     assert rest == {"epoch": 3, "loss": 0.5}
     _same(fresh.state_dict(), model.state_dict(), "the model")
     _same(

@@ -39,18 +39,20 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_warm
 
 import scopedlite as lite
+from conftest import SCRIPTS, run_warm
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import max_diff  # noqa: E402
-from _moves_common import BATCH, make_data, make_net, make_optimizer, sampler  # noqa: E402
+from _common import max_diff
+from _moves_common import BATCH, make_data, make_net, make_optimizer, sampler
 
 # Without DeepSpeed the moves between single, ddp and fsdp still run: the launches and jobs
 # that need it are left out (_runnable) and the checks on them skip, saying why.
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
+needs_deepspeed = pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
+)
 DEEPSPEED_CHECKPOINTS = {"Z", "Z2", "ZB", "Z1", "ZM"}  # written by DeepSpeed
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.deepspeed_op]
@@ -68,7 +70,10 @@ SAVED = {
 # saved with lite.save(..., blocking=False), then trained on before anything waited (issue 39)
 SAVED_IN_BACKGROUND = {"DA": ("ddp", 2), "FA": ("fsdp", 2)}
 # saved after the first step of epoch 0 (the loader in the middle of its pass): by whom, loaded by whom
-MID_EPOCH = {"DM": ("ddp", ["fsdp", "deepspeed_stage_3", "deepspeed_stage_1"]), "ZM": ("deepspeed_stage_3", ["ddp", "fsdp"])}
+MID_EPOCH = {
+    "DM": ("ddp", ["fsdp", "deepspeed_stage_3", "deepspeed_stage_1"]),
+    "ZM": ("deepspeed_stage_3", ["ddp", "fsdp"]),
+}
 MATRIX = {"single": 1, "ddp": 2, "fsdp": 2, "deepspeed_stage_3": 2}
 ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 # files plain torch wrote (the fixture writes them): a bare state dict, the same from a
@@ -77,14 +82,52 @@ ALL = ["load:S", "load:D", "load:F", "load:Z", "load:Z2", "load:H"]
 PLAIN = ["plain:P", "plain:PD", "plain:PN"]
 LAUNCHES = [  # in order: each loads what the launches before it saved
     [["single", 1, ["save:S", "load:S", *PLAIN]]],
-    [["ddp", 2, ["save:D", "load:S", "load:D", "midsave:DM", *PLAIN, "paths:ddp", "async:DA", "load:DA", "inflight:DI"]]],
-    [["fsdp", 2, [
-        "save:F", "load:S", "load:D", "load:F", "midload:DM", "bigsave:FB", *PLAIN, "paths:fsdp", "async:FA", "load:FA", "inflight:FI",
-    ]]],
-    [["deepspeed_stage_3", 2, [
-        "save:Z", "load:S", "load:D", "load:F", "load:Z", "midsave:ZM", "midload:DM", "bigload:FB", "bigsave:ZB", *PLAIN, "paths:ds3",
-        "async:ZA",
-    ]]],
+    [
+        [
+            "ddp",
+            2,
+            ["save:D", "load:S", "load:D", "midsave:DM", *PLAIN, "paths:ddp", "async:DA", "load:DA", "inflight:DI"],
+        ]
+    ],
+    [
+        [
+            "fsdp",
+            2,
+            [
+                "save:F",
+                "load:S",
+                "load:D",
+                "load:F",
+                "midload:DM",
+                "bigsave:FB",
+                *PLAIN,
+                "paths:fsdp",
+                "async:FA",
+                "load:FA",
+                "inflight:FI",
+            ],
+        ]
+    ],
+    [
+        [
+            "deepspeed_stage_3",
+            2,
+            [
+                "save:Z",
+                "load:S",
+                "load:D",
+                "load:F",
+                "load:Z",
+                "midsave:ZM",
+                "midload:DM",
+                "bigload:FB",
+                "bigsave:ZB",
+                *PLAIN,
+                "paths:ds3",
+                "async:ZA",
+            ],
+        ]
+    ],
     [["hsdp", 4, ["save:H", *ALL[:4], "load:H"]]],
     [["deepspeed_stage_1", 2, ["save:Z1", "midload:DM", "load:H", *PLAIN, "paths:ds1"]]],
     [["ddp", 2, ["load:F", "load:Z", "load:Z1", "load:H", "midload:ZM"]]],
@@ -119,7 +162,10 @@ def _checkpoints(names: list[str]) -> list[str]:
 
 def _strategies(names: list) -> list:
     """Test parameters, those under DeepSpeed skipped without it."""
-    return [pytest.param(*n, marks=needs_deepspeed) if str(n[0]).startswith("deepspeed") else pytest.param(*n) for n in names]
+    return [
+        pytest.param(*n, marks=needs_deepspeed) if str(n[0]).startswith("deepspeed") else pytest.param(*n)
+        for n in names
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +179,25 @@ def moves(tmp_path_factory):
         # must load ZeRO checkpoints without importing DeepSpeed
         deepspeed = any(s.startswith("deepspeed") for s, _, _ in launch) and all(s != "single" for s, _, _ in launch)
         result = run_warm(
-            SCRIPTS / "checkpoint_moves.py", folder, json.dumps(launch), tmp_path=folder, timeout=240, cwd=folder, deepspeed=deepspeed
+            SCRIPTS / "checkpoint_moves.py",
+            folder,
+            json.dumps(launch),
+            tmp_path=folder,
+            timeout=240,
+            cwd=folder,
+            deepspeed=deepspeed,
         )
-        assert result.returncode == 0, f"launch {launch}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        assert result.returncode == 0, (
+            f"launch {launch}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
         for block in result.json():
             results.setdefault((block["strategy"], block["world_size"]), {}).update(block["jobs"])
     return results, folder
 
 
-def reference(phases: list[tuple[int, int]], fresh_optimizer: bool = False) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def reference(
+    phases: list[tuple[int, int]], fresh_optimizer: bool = False
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Plain torch, one process: for each ``(world_size, epoch)`` one epoch of steps whose
     gradient is that of the mean over ranks of each rank's mean loss. Returns each phase's
     losses and the final state dict. ``fresh_optimizer``: each phase with a new AdamW."""
@@ -284,7 +340,11 @@ def test_an_hsdp_checkpoint_moves_to_and_from_every_strategy(moves):
 
 @pytest.mark.parametrize(
     "loader,checkpoint",
-    [("fsdp", "FB"), pytest.param("fsdp", "ZB", marks=needs_deepspeed), pytest.param("deepspeed_stage_3", "FB", marks=needs_deepspeed)],
+    [
+        ("fsdp", "FB"),
+        pytest.param("fsdp", "ZB", marks=needs_deepspeed),
+        pytest.param("deepspeed_stage_3", "FB", marks=needs_deepspeed),
+    ],
 )
 def test_loading_a_sharded_checkpoint_never_needs_the_whole_model(moves, loader, checkpoint):
     """Eight 4 MB parameters, 96 MB with AdamW's moments; each of 2 ranks holds half. What
@@ -313,7 +373,11 @@ def test_a_plain_torch_state_dict_file_loads_into_the_model_under_every_strategy
         result = results[(loader, world_size)][f"plain:{name}"]
         assert sorted(result["loaded"]) == sorted(params), (loader, name)
         for key, value in params.items():
-            assert torch.allclose(torch.tensor(result["loaded"][key]), value.flatten(), rtol=1e-6, atol=1e-7), (loader, name, key)
+            assert torch.allclose(torch.tensor(result["loaded"][key]), value.flatten(), rtol=1e-6, atol=1e-7), (
+                loader,
+                name,
+                key,
+            )
         (_, then), _ = reference([(1, 0), (world_size, 0)], fresh_optimizer=name != "PN")
         assert _close(result["losses"], then) < 1e-6, (loader, name, result["losses"], then)
         assert result["rest"] == ({"epoch": 3} if name == "PN" else {}), (loader, name)
@@ -333,7 +397,9 @@ def test_a_path_that_differs_between_ranks_is_refused_on_every_rank(moves, loade
     for rank, errors in enumerate(result["errors"]):
         for call in ("save", "load"):
             message = errors[call]
-            assert message is not None, f"{loader}: rank {rank}'s lite.{call} accepted a path that differs between ranks"
+            assert message is not None, (
+                f"{loader}: rank {rank}'s lite.{call} accepted a path that differs between ranks"
+            )
             assert message.startswith(f"lite.{call}: the path differs between ranks"), message
             assert all(r in message for r in ranks) and "path = lite.broadcast(path)" in message, message
     assert result["written"] == []  # refused before anything was written, on any rank
@@ -361,7 +427,9 @@ def test_a_background_save_holds_the_state_at_the_call_and_keeps_it_through_fail
     for rank, errors in enumerate(saved["errors"]):
         assert sorted(errors) == ["next_save", "wait"], (rank, errors)
         for message, cause in errors.values():
-            assert message.startswith(f"lite.save({str(moves[1] / name)!r}, blocking=False) failed in the background on rank 0 "), message
+            assert message.startswith(
+                f"lite.save({str(moves[1] / name)!r}, blocking=False) failed in the background on rank 0 "
+            ), message
             assert "Can't pickle" in message and "it still holds the previous checkpoint" in message, message
             # on rank 0 its own error (torch.save's) is the cause
             assert (cause in ("PicklingError", "AttributeError")) if rank == 0 else cause == "NoneType", (rank, cause)
@@ -390,6 +458,8 @@ def test_the_end_of_the_launch_block_waits_for_a_background_save(moves, name, st
     for key, value in params.items():
         assert torch.allclose(model.state_dict()[key], value, rtol=1e-5, atol=1e-6), (strategy, key)
     assert not [p.name for p in folder.iterdir() if p.name.startswith(f".{name}")]  # no temporary left
+
+
 def test_a_zero1_checkpoint_continues_exactly_under_the_other_strategies(moves):
     """ZeRO-1's folder (its optimizer partitioned, its parameters whole) into ddp on 2 ranks,
     and single and fsdp on one process (single without importing DeepSpeed)."""

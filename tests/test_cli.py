@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from conftest import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import assert_close  # noqa: E402
-from scopedlite._cli import build_parser, main, parse_args, script_environment, torchrun_argv  # noqa: E402
+from _common import assert_close
+from scopedlite._cli import build_parser, main, parse_args, script_environment, torchrun_argv
 
 PLAIN = """
 import json, os, sys, torch, torch.distributed as dist
@@ -36,7 +37,10 @@ def test_one_node_is_standalone_and_passes_script_arguments_through():
 
 
 def test_several_nodes_use_static_rendezvous_at_node_0():
-    assert _argv("--devices", "4", "--num-nodes", "2", "--node-rank", "1", "--main-address", "n0", "--main-port", "1234", "-m", "pkg.train", "x") == [
+    assert _argv(
+        "--devices", "4", "--num-nodes", "2", "--node-rank", "1", "--main-address", "n0", "--main-port", "1234",
+        "-m", "pkg.train", "x",
+    ) == [
         "--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "n0", "--master-port", "1234",
         "--module", "pkg.train", "x",
     ]  # fmt: skip
@@ -55,7 +59,10 @@ def test_torchrun_options_before_the_script_are_passed_on():
         (["--devices", "0", "t.py"], "argument --devices: '0' must be at least 1"),
         (["--devices", "two", "t.py"], "argument --devices: 'two' is not an integer"),
         (["--num-nodes", "2", "t.py"], "--num-nodes 2 needs --main-address"),
-        (["--num-nodes", "2", "--node-rank", "2", "--main-address", "a", "t.py"], "--node-rank 2 is not valid with --num-nodes 2: use 0..1"),
+        (
+            ["--num-nodes", "2", "--node-rank", "2", "--main-address", "a", "t.py"],
+            "--node-rank 2 is not valid with --num-nodes 2: use 0..1",
+        ),
         (["--main-port", "70000", "t.py"], "'70000' is not a port number"),
         ([], "the following arguments are required: target"),
         (["--max-restarts", "3", "t.py"], "'--max-restarts' is not an option of run"),
@@ -83,7 +90,7 @@ def test_runs_an_unmodified_torch_distributed_script(run_python, tmp_path):
     result = run_python("-m", "scopedlite", "run", "--devices", "2", str(path), "--lr", "3")
     assert result.returncode == 0, result.explain()
     for rank in (0, 1):
-        out = json.loads(open(f"{result._out}.rank{rank}").read())
+        out = json.loads(Path(f"{result._out}.rank{rank}").read_text())
         assert out == {"sum": 3.0, "world": 2, "argv": ["--lr", "3"]}
 
 
@@ -94,7 +101,7 @@ def test_runs_a_module(run_python, tmp_path):
     (tmp_path / "pkg" / "plain.py").write_text(PLAIN)
     result = run_python("-m", "scopedlite", "run", "--devices", "2", "-m", "pkg.plain", "a", cwd=tmp_path)
     assert result.returncode == 0, result.explain()
-    assert json.loads(open(f"{result._out}.rank1").read())["argv"] == ["a"]
+    assert json.loads(Path(f"{result._out}.rank1").read_text())["argv"] == ["a"]
 
 
 @pytest.mark.timeout(90)
@@ -112,11 +119,13 @@ def test_a_scopedlite_script_joins_the_world_instead_of_spawning(run_python):
 @pytest.mark.timeout(90)
 def test_a_failing_rank_gives_exit_1_and_names_the_rank(run_python, tmp_path):
     path = tmp_path / "fail.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         import os
         if os.environ["RANK"] == "1":
             raise KeyError("boom on one")
-    """))
+    """)
+    )
     result = run_python("-m", "scopedlite", "run", "--devices", "2", str(path))
     assert result.returncode == 1, result.explain()
     assert "KeyError: 'boom on one'" in result.stderr
@@ -199,9 +208,22 @@ def _fabric_style_reference() -> tuple[list[float], list[float]]:
 def test_a_bare_launch_is_configured_by_the_command_line_and_trains_on_two_ranks(run_python, tmp_path):
     path = tmp_path / "train.py"
     path.write_text(FABRIC_STYLE)
-    result = run_python("-m", "scopedlite", "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2", "--precision", "64-true", str(path))
+    result = run_python(
+        "-m",
+        "scopedlite",
+        "run",
+        "--accelerator",
+        "cpu",
+        "--strategy",
+        "ddp",
+        "--devices",
+        "2",
+        "--precision",
+        "64-true",
+        str(path),
+    )
     assert result.returncode == 0, result.explain()
-    ranks = [json.loads(open(f"{result._out}.rank{rank}").read()) for rank in (0, 1)]
+    ranks = [json.loads(Path(f"{result._out}.rank{rank}").read_text()) for rank in (0, 1)]
     losses, weight = _fabric_style_reference()
     for out in ranks:
         assert (out["world"], out["strategy"], out["accelerator"], out["batches"]) == (2, "ddp", "cpu", 4)
@@ -216,4 +238,7 @@ def test_a_launch_argument_contradicting_the_command_line_stops_the_script_namin
     path.write_text("import scopedlite as lite\nwith lite.launch(accelerator='cpu', precision='64-true'):\n    pass\n")
     result = run_python("-m", "scopedlite", "run", "--precision", "bf16-true", str(path))
     assert result.returncode == 1, result.explain()
-    assert "launch(precision='64-true') in the script contradicts `python -m scopedlite run --precision bf16-true`" in result.stderr
+    assert (
+        "launch(precision='64-true') in the script contradicts `python -m scopedlite run --precision bf16-true`"
+        in result.stderr
+    )

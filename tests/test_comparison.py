@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, max_diff  # noqa: E402
+from _common import assert_close, max_diff
 
 NAN, INF = float("nan"), float("inf")
 

@@ -15,7 +15,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPTS, run_warm
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
@@ -25,6 +24,7 @@ from torch.utils.data import (
 )
 
 import scopedlite as lite
+from conftest import SCRIPTS, run_warm
 from scopedlite import ShardedBatchSampler, ShardedSampler
 from scopedlite._api.seed import SeedWorker, seeded_generators
 from scopedlite._private.torch_internals import held_by_python_only
@@ -75,9 +75,7 @@ def test_each_sample_once_inside_join_padded_count_outside(ranks, case):
         seen = [i for one in passes for i in one["idx"]]
         if passes[0]["join"]:
             assert sorted(seen) == expected, (case, p, [one["idx"] for one in passes])
-            assert [one["len"] for one in passes] == [
-                batch_count(len(one["idx"]), batch) for one in passes
-            ]
+            assert [one["len"] for one in passes] == [batch_count(len(one["idx"]), batch) for one in passes]
         elif case == "custom_batches":  # whole batches dealt out, padded with whole batches
             assert set(seen) == set(expected)
             assert [one["len"] for one in passes] == [math.ceil(batch_count(N, 3) / world)] * world
@@ -88,9 +86,15 @@ def test_each_sample_once_inside_join_padded_count_outside(ranks, case):
             assert {one["len"] for one in passes} == {batch_count(per_rank, batch)}
 
 
-@pytest.mark.parametrize(("case", "shuffle", "seed"), [
-    ("plain", False, 0), ("shuffle", True, 0), ("distributed", True, 5), ("workers", True, 0),
-])
+@pytest.mark.parametrize(
+    ("case", "shuffle", "seed"),
+    [
+        ("plain", False, 0),
+        ("shuffle", True, 0),
+        ("distributed", True, 5),
+        ("workers", True, 0),
+    ],
+)
 def test_distributed_sampler_order_outside_join_and_unpadded_inside(ranks, case, shuffle, seed):
     world = len(ranks)
     for p in range(4):

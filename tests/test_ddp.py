@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, reference_training  # noqa: E402
+from _common import assert_close, reference_training
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,9 @@ def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
         assert error is not None, f"rank {rank} raised nothing"
         message = error["message"]
         # torch's indices 4 5 (the frozen layer is not counted), as names in the user's module
-        assert f"parameters unused.weight, unused.bias received no gradient in the last backward on rank {rank}" in message
+        assert (
+            f"parameters unused.weight, unused.bias received no gradient in the last backward on rank {rank}" in message
+        )
         assert "`lite.launch(strategy=lite.DDPStrategy(find_unused_parameters=True), ...)`" in message
         assert "`model.unused.requires_grad_(False)`" in message
         assert f"Parameter indices which did not receive grad for rank {rank}: 4 5" in error["cause"]

@@ -18,7 +18,7 @@ import torch
 import scopedlite as lite
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, make_data, make_model, max_diff, reference_training  # noqa: E402
+from _common import assert_close, make_data, make_model, max_diff, reference_training
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -148,7 +148,12 @@ def test_a_stale_build_lock_is_cleared_and_a_held_one_is_kept(tmp_path):
     held = tmp_path / "building_now" / "lock"
     # a build in progress: torch's FileBaton keeps its lock file open until it is done
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import os, sys, time; os.open({str(held)!r}, os.O_CREAT | os.O_EXCL); print(1, flush=True); time.sleep(60)"],
+        [
+            sys.executable,
+            "-c",
+            f"import os, sys, time; os.open({str(held)!r}, os.O_CREAT | os.O_EXCL); "
+            "print(1, flush=True); time.sleep(60)",
+        ],
         stdout=subprocess.PIPE,
     )
     try:
@@ -205,7 +210,10 @@ def test_zero_trains_like_one_process_on_the_same_data(script, strategy, accumul
     x, y = make_data(n).tensors
     micro = batch // 2 if accumulate else batch
     with torch.no_grad():
-        first = [torch.nn.functional.mse_loss(make_model()(x[r : r + 2 * micro : 2]), y[r : r + 2 * micro : 2]) for r in (0, 1)]
+        first = [
+            torch.nn.functional.mse_loss(make_model()(x[r : r + 2 * micro : 2]), y[r : r + 2 * micro : 2])
+            for r in (0, 1)
+        ]
     assert out["means"][0] == pytest.approx(float(sum(first)) / 2, rel=1e-5)
     assert len(out["means"]) == n // 2 // micro and out["means"][-1] < out["means"][0]
     # DeepSpeed's noise stays out: its INFO logs and its "built successfully" print
@@ -231,7 +239,10 @@ def _check_resume_and_join_refusals(out):
         assert errors["lr_by_hand"].startswith("RuntimeError") and "changed from 0.1 to 0.5" in errors["lr_by_hand"]
         assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
         assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
-        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
+        assert (
+            errors["two_forwards"].startswith("RuntimeError")
+            and "loss built from several forwards" in errors["two_forwards"]
+        )
         assert errors["after"] == 2
 
 

@@ -41,7 +41,7 @@ MARKER = re.compile(r"^#.*not run by the tests: (?P<why>\S.*?)\)?$", re.I)
 
 # What the pages' examples may use without defining it (docs/index.md says so): your model
 # class, your dataset and your DataLoader. A small classifier, 8 features into 3 classes.
-STAND_INS = '''
+STAND_INS = """
 import torch
 
 class Net(torch.nn.Sequential):
@@ -53,7 +53,7 @@ dataset = torch.utils.data.TensorDataset(
     torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(1)),
 )
 loader = torch.utils.data.DataLoader(dataset, batch_size=8)
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,9 @@ def _signature_calls(tree: ast.Module) -> list[ast.Call] | None:
         func = call.func
         if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "lite"):
             return None
-        if not all(isinstance(a, ast.Name) or (isinstance(a, ast.Starred) and isinstance(a.value, ast.Name)) for a in call.args):
+        if not all(
+            isinstance(a, ast.Name) or (isinstance(a, ast.Starred) and isinstance(a.value, ast.Name)) for a in call.args
+        ):
             return None
         for keyword in call.keywords:
             if keyword.arg is None:
@@ -131,17 +133,22 @@ def _compare_signature(call: ast.Call) -> list[str]:
     actual = [(p.name, kinds.get(p.kind, "")) for p in code.parameters.values()]
     problems = []
     if [(n, k) for n, k, _ in shown] != actual:
-        problems.append(f"lite.{name}: the docs show parameters {[k + n for n, k, _ in shown]}, the code has {[k + n for n, k in actual]}")
+        problems.append(
+            f"lite.{name}: the docs show parameters {[k + n for n, k, _ in shown]}, "
+            f"the code has {[k + n for n, k in actual]}"
+        )
     for param_name, _, default in shown:
         param = code.parameters.get(param_name)
         if default is not ... and param is not None and param.default != default:
-            problems.append(f"lite.{name}: the docs give {param_name}={default!r}, the code's default is {param.default!r}")
+            problems.append(
+                f"lite.{name}: the docs give {param_name}={default!r}, the code's default is {param.default!r}"
+            )
     return problems
 
 
 # -- running the examples -------------------------------------------------------------------------
 
-RUNNER = r'''
+RUNNER = r"""
 import json, linecache, os, sys, time, traceback
 
 spec = json.load(open(sys.argv[1]))
@@ -169,7 +176,7 @@ for page in spec["pages"]:
         results[filename] = outcome
         with open(spec["out"], "w") as f:  # after every block: a hang still tells what ran
             json.dump(results, f)
-'''
+"""
 
 
 def _kind(block: Block) -> str:
@@ -202,12 +209,16 @@ def examples_run(tmp_path_factory):
     for name, blocks in pages.items():
         out = folder / f"{name}.results.json"
         spec = folder / f"{name}.spec.json"
-        spec.write_text(json.dumps({
-            "folder": str(folder / "pages"),
-            "out": str(out),
-            "stand_ins": STAND_INS,
-            "pages": [{"name": name, "blocks": blocks}],
-        }))
+        spec.write_text(
+            json.dumps(
+                {
+                    "folder": str(folder / "pages"),
+                    "out": str(out),
+                    "stand_ins": STAND_INS,
+                    "pages": [{"name": name, "blocks": blocks}],
+                }
+            )
+        )
         try:
             proc = run_warm(runner, spec, tmp_path=folder, env=env, cwd=folder, timeout=150)
             text_out, text_err, code = proc.stdout, proc.stderr, proc.returncode
@@ -269,13 +280,19 @@ def test_signature_blocks_are_the_codes(block):
 def test_example_blocks_run(block, examples_run):
     outcome = examples_run["results"].get(block.id)
     if outcome is None:
-        pytest.fail(f"{block.id} did not finish (runner exit {examples_run['exit'][block.page]}):\n{examples_run['tail'][block.page]}")
+        pytest.fail(
+            f"{block.id} did not finish (runner exit {examples_run['exit'][block.page]}):\n"
+            f"{examples_run['tail'][block.page]}"
+        )
     error = outcome["error"]
     if error and outcome.get("missing") in _OPTIONAL and importlib.util.find_spec(outcome["missing"]) is None:
         pytest.skip(f"{outcome['missing']} is not installed")
     if error and "pip install scopedlite[deepspeed]" in error and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    assert error is None, f"{block.id} raised:\n{error}\n--- its output ---\n{examples_run['stdout'].get(block.id, '')}{examples_run['stderr'].get(block.id, '')}"
+    assert error is None, (
+        f"{block.id} raised:\n{error}\n--- its output ---\n"
+        f"{examples_run['stdout'].get(block.id, '')}{examples_run['stderr'].get(block.id, '')}"
+    )
 
 
 def test_every_block_is_run_checked_or_says_why_not():
@@ -309,7 +326,11 @@ def test_docs_site_builds_with_warnings_as_errors(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=REPO, capture_output=True, text=True, env=env, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "index.html").exists()
@@ -325,7 +346,9 @@ def test_every_environment_variable_is_on_the_environment_page():
                 used |= set(re.findall(r"SCOPEDLITE_[A-Z_]*[A-Z]", path.read_text(errors="replace")))
     listed = set(re.findall(r"SCOPEDLITE_[A-Z_]*[A-Z]", (REPO / "docs" / "environment.md").read_text()))
     assert len(used) >= 10, used
-    assert used == listed, f"in the code, not on the page: {sorted(used - listed)}; on the page, not in the code: {sorted(listed - used)}"
+    assert used == listed, (
+        f"in the code, not on the page: {sorted(used - listed)}; on the page, not in the code: {sorted(listed - used)}"
+    )
 
 
 # -- measured figures: each from the file benchmarks/ writes -------------------------------------
@@ -338,7 +361,9 @@ SOURCE_NAMES = ("benchmarks/results.md", "(benchmarks.md)")
 # "3×512" is a shape, not a ratio.
 FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?![\d.]\d)(?:\s?(ms|µs|us|s|MB|GB|x|%)(?![\w])|\s?(×)(?!\d))?")
 # What only a measurement gives: a duration in ms or µs, or seconds with decimals.
-TIMING = re.compile(r"\d(?:\s?(?:ms|µs|us)\b|\s?(?:milli|micro)seconds?\b)|\d\.\d+\s?s\b|\bfew (?:milli|micro)seconds\b")
+TIMING = re.compile(
+    r"\d(?:\s?(?:ms|µs|us)\b|\s?(?:milli|micro)seconds?\b)|\d\.\d+\s?s\b|\bfew (?:milli|micro)seconds\b"
+)
 # Durations the docs state that are settings of the code, not measurements: (page, text) -> where.
 SETTINGS = {
     ("launching.md", "every 50 ms"): ("scopedlite/_launch/supervise.py", "0.05"),
@@ -367,7 +392,9 @@ def _unit(unit: str | None) -> str:
 def _measured(text: str) -> list[tuple[str, str]]:
     """(number, unit) of each figure: with a unit, or a decimal."""
     return [
-        (m.group(1), _unit(m.group(2) or m.group(3))) for m in FIGURE.finditer(text) if m.group(2) or m.group(3) or "." in m.group(1)
+        (m.group(1), _unit(m.group(2) or m.group(3)))
+        for m in FIGURE.finditer(text)
+        if m.group(2) or m.group(3) or "." in m.group(1)
     ]
 
 
@@ -398,7 +425,9 @@ def test_every_figure_quoted_from_the_benchmarks_is_in_their_results_file():
     results += [(float(m.group(1)), "") for m in re.finditer(r"(?<![\w.])(\d+)(?![\w.]*\d)", RESULTS.read_text())]
     figures = _sourced_figures()
     assert len(figures) > 20, figures  # the join costs, crash latency, memory, check costs
-    missing = [f"{page}: {number} {unit}".strip() for page, number, unit in figures if not _in_results(number, unit, results)]
+    missing = [
+        f"{page}: {number} {unit}".strip() for page, number, unit in figures if not _in_results(number, unit, results)
+    ]
     assert not missing, f"figures the docs attribute to benchmarks/results.md that it does not have: {missing}"
 
 
@@ -427,6 +456,10 @@ def test_the_benchmarks_page_shows_the_results_file_as_it_is():
     section = re.search(r"<!-- results:start[^\n]*-->\n(.*?)<!-- results:end -->", page, re.S)
     assert section, "docs/benchmarks.md lost its results markers"
     lines = set(RESULTS.read_text().splitlines())
-    shown = [line.replace("### Notes per row", "## Notes per row") for line in section.group(1).splitlines() if line.strip()]
+    shown = [
+        line.replace("### Notes per row", "## Notes per row") for line in section.group(1).splitlines() if line.strip()
+    ]
     assert len(shown) > 20
-    assert not [line for line in shown if line not in lines], "lines of the page that benchmarks/results.md does not have"
+    assert not [line for line in shown if line not in lines], (
+        "lines of the page that benchmarks/results.md does not have"
+    )

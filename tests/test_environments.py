@@ -29,7 +29,11 @@ SRUN = {
 }
 
 # Inside an sbatch script before any srun: PROCID and NTASKS exist, no step.
-SBATCH = {k: v for k, v in SRUN.items() if not k.startswith("SLURM_STEP")} | {"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"}
+SBATCH = {k: v for k, v in SRUN.items() if not k.startswith("SLURM_STEP")} | {
+    "SLURM_PROCID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_LOCALID": "0",
+}
 
 MPIRUN = {  # `mpirun -n 2`, rank 1, both on this node
     "OMPI_COMM_WORLD_RANK": "1",
@@ -145,7 +149,13 @@ def test_slurm_step_nodelist_wins_over_the_job_nodelist():
 
 
 def test_slurm_single_task_step_is_not_a_world():
-    one = SRUN | {"SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"}
+    one = SRUN | {
+        "SLURM_STEP_NUM_TASKS": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_LOCALID": "0",
+    }
     assert detect_world(one) is None
 
 
@@ -168,7 +178,12 @@ def test_open_mpi_on_one_node():
 
 
 def test_open_mpi_node_rank_is_the_node_index_not_ompis_node_rank():
-    env = MPIRUN | {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "n1"}
+    env = MPIRUN | {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "6",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_ADDR": "n1",
+    }
     assert detect_world(env).node_rank == 2
 
 
@@ -221,7 +236,9 @@ def test_lsf_jsrun_skips_the_launch_node():
 
 
 def test_lsf_local_size_from_jsm_when_given():
-    world = detect_world(JSRUN | {"JSM_NAMESPACE_LOCAL_SIZE": "2", "JSM_NAMESPACE_RANK": "6", "JSM_NAMESPACE_LOCAL_RANK": "0"})
+    world = detect_world(
+        JSRUN | {"JSM_NAMESPACE_LOCAL_SIZE": "2", "JSM_NAMESPACE_RANK": "6", "JSM_NAMESPACE_LOCAL_RANK": "0"}
+    )
     assert (world.local_world_size, world.node_rank) == (2, 3)
 
 
@@ -242,10 +259,29 @@ def test_plain_kubernetes_pod_is_not_a_world():
 @pytest.mark.parametrize("env", [MPIRUN, HYDRA, JSRUN, SRUN, PYTORCHJOB])
 def test_one_process_worlds_are_not_joined(env):
     one = dict(env)
-    for name in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS", "JSM_NAMESPACE_SIZE", "SLURM_STEP_NUM_TASKS", "WORLD_SIZE"):
+    for name in (
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "PMI_SIZE",
+        "MPI_LOCALNRANKS",
+        "JSM_NAMESPACE_SIZE",
+        "SLURM_STEP_NUM_TASKS",
+        "WORLD_SIZE",
+    ):
         if name in one:
             one[name] = "1"
-    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "MPI_LOCALRANKID", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "RANK"):
+    for name in (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "PMI_RANK",
+        "MPI_LOCALRANKID",
+        "JSM_NAMESPACE_RANK",
+        "JSM_NAMESPACE_LOCAL_RANK",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_NODEID",
+        "RANK",
+    ):
         if name in one:
             one[name] = "0"
     one.update({"SLURM_STEP_TASKS_PER_NODE": "1"} if "SLURM_PROCID" in one else {})
@@ -264,7 +300,12 @@ def _resolve(env, **kwargs):
 )
 def test_resolver_joins_external_worlds(env, world_size, per_node, nodes):
     plan = _resolve(env)
-    assert (plan.launcher, plan.world_size, plan.local_world_size, plan.num_nodes) == ("join", world_size, per_node, nodes)
+    assert (plan.launcher, plan.world_size, plan.local_world_size, plan.num_nodes) == (
+        "join",
+        world_size,
+        per_node,
+        nodes,
+    )
     assert plan.strategy.name == "ddp"
     assert _resolve(env, devices=per_node, num_nodes=nodes).world_size == world_size
 
@@ -294,7 +335,9 @@ def test_resolver_refuses_a_mismatch_with_the_world(env, kwargs, source):
 
 
 def test_resolver_refuses_a_launcher_inside_an_external_world():
-    with pytest.raises(ValueError, match=r"launcher='fork' cannot be used inside an existing world \(made by openmpi\)"):
+    with pytest.raises(
+        ValueError, match=r"launcher='fork' cannot be used inside an existing world \(made by openmpi\)"
+    ):
         _resolve(MPIRUN, launcher="fork")
 
 
@@ -305,14 +348,26 @@ def test_resolver_in_an_sbatch_script_starts_its_own_ranks():
 
 # -- a default process group that exists before launch (Ray Train, a framework, the script) --
 # What Ray Train 2.60 sets in the worker of rank 3 of 4, two per node (no TORCHELASTIC_RUN_ID).
-RAY_WORKER = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "41999"}
+RAY_WORKER = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "NODE_RANK": "1",
+    "MASTER_ADDR": "10.0.0.5",
+    "MASTER_PORT": "41999",
+}
 
 
 @pytest.mark.parametrize(
     ("env", "group", "place"),
     [
         (RAY_WORKER, (3, 4), (3, 1, 1, 4, 2)),
-        (RAY_WORKER | {"KUBERNETES_PORT": "tcp://10.0.0.1:443"}, (3, 4), (3, 1, 1, 4, 2)),  # KubeRay: LOCAL_RANK, not Kubeflow's 0
+        (
+            RAY_WORKER | {"KUBERNETES_PORT": "tcp://10.0.0.1:443"},
+            (3, 4),
+            (3, 1, 1, 4, 2),
+        ),  # KubeRay: LOCAL_RANK, not Kubeflow's 0
         ({}, (1, 3), (1, 1, 0, 3, 3)),  # made by hand, no variables: every rank on this node
         (MPIRUN, (1, 2), (1, 1, 0, 2, 2)),  # the launcher's local facts, though it gave no port
         (HYDRA, (3, 4), (3, 1, 1, 4, 2)),
@@ -336,7 +391,13 @@ def _resolve_in_group(env, group, **kwargs):
 
 def test_resolver_joins_an_existing_group_before_any_launcher_environment():
     plan = _resolve_in_group(RAY_WORKER, (3, 4))
-    assert (plan.launcher, plan.world_size, plan.local_world_size, plan.num_nodes, plan.world.source) == ("join", 4, 2, 2, "process_group")
+    assert (plan.launcher, plan.world_size, plan.local_world_size, plan.num_nodes, plan.world.source) == (
+        "join",
+        4,
+        2,
+        2,
+        "process_group",
+    )
     assert plan.strategy.name == "ddp"
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1"}
     assert _resolve_in_group(torchrun, (0, 1)).world.source == "process_group"  # never a second group
@@ -345,7 +406,10 @@ def test_resolver_joins_an_existing_group_before_any_launcher_environment():
 
 @pytest.mark.parametrize(
     ("kwargs", "asked"),
-    [({"devices": 3}, "3 process(es) per node on 1 node(s)"), ({"num_nodes": 2}, "2 process(es) per node on 2 node(s)")],
+    [
+        ({"devices": 3}, "3 process(es) per node on 1 node(s)"),
+        ({"num_nodes": 2}, "2 process(es) per node on 2 node(s)"),
+    ],
 )
 def test_resolver_refuses_a_size_that_disagrees_with_the_existing_group_naming_both(kwargs, asked):
     with pytest.raises(ValueError) as info:

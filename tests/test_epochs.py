@@ -16,10 +16,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SCRIPTS, _env
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
 import scopedlite as lite
+from conftest import SCRIPTS, _env
 from scopedlite import ShardedBatchSampler, ShardedSampler
 from scopedlite._launch.output import HeldLines, RankPrefixed
 
@@ -43,7 +43,12 @@ def launched(tmp_path_factory):
     env = dict(_env(), OUT=str(out), PYTHONUNBUFFERED="")
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "epochs.py")],
-        capture_output=True, text=True, timeout=150, env=env, cwd=str(out.parent), check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=str(out.parent),
+        check=False,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text()), proc.stdout

@@ -156,7 +156,9 @@ def _deepspeed_installed() -> bool:
         pytest.param(
             "deepspeed_stage_3",
             marks=[
-                pytest.mark.skipif(not _deepspeed_installed(), reason="deepspeed is not installed (pip install scopedlite[deepspeed])"),
+                pytest.mark.skipif(
+                    not _deepspeed_installed(), reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
+                ),
                 pytest.mark.deepspeed_op,  # its op is built before the tests (conftest.py)
             ],
         ),
@@ -166,7 +168,10 @@ def test_example_sharded_trains_saves_and_loads_the_folder_in_one_process(exampl
     args = () if strategy == "fsdp" else ("--strategy", strategy)
     result = example("sharded.py", *args, timeout=110)
     assert result.returncode == 0, result.explain()
-    held = {int(r): (int(local), int(full)) for r, local, full in re.findall(r"rank (\d) holds (\d+) of (\d+)", result.stdout)}
+    held = {
+        int(r): (int(local), int(full))
+        for r, local, full in re.findall(r"rank (\d) holds (\d+) of (\d+)", result.stdout)
+    }
     assert sorted(held) == [0, 1], result.stdout
     full = held[0][1]
     assert sum(local for local, _ in held.values()) >= full  # together the ranks hold all of it
@@ -188,7 +193,11 @@ def test_example_resume_stops_on_sigterm_and_continues_where_it_stopped(example,
 
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "examples" / "resume.py")],
-        env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     lines = []
     try:

@@ -20,7 +20,7 @@ import pytest
 from conftest import SCRIPTS, _env
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import assert_close, max_diff, params, reference_training  # noqa: E402
+from _common import assert_close, max_diff, params, reference_training
 
 N, BATCH = 9, 2  # as in existing_group.py
 
@@ -41,12 +41,17 @@ def _check_runs(out: Path, strategy: str) -> None:
 def test_a_group_made_by_hand_before_launch_is_joined_and_kept(tmp_path):
     """Two processes each call init_process_group (a file store, no torch variables in their
     environment), then run the loop under ddp; launch refuses sizes and a timeout it cannot honour."""
-    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     rendezvous = tmp_path / "rendezvous"
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPTS / "existing_group.py"), str(rank), str(rendezvous), str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in (0, 1)
     ]
@@ -55,20 +60,28 @@ def test_a_group_made_by_hand_before_launch_is_joined_and_kept(tmp_path):
     _check_runs(tmp_path, "ddp")
     for rank in (0, 1):
         said = json.loads((tmp_path / f"refusals.rank{rank}.json").read_text())
-        assert "3 process(es) per node on 1 node(s), but the process_group world has 2 per node and 2 in all" in said["devices"]
+        assert (
+            "3 process(es) per node on 1 node(s), but the process_group world has 2 per node and 2 in all"
+            in said["devices"]
+        )
         assert "2 process(es) per node on 2 node(s)" in said["num_nodes"]
         assert "launch(timeout=30)" in said["timeout"] and "init_process_group(timeout=...)" in said["timeout"]
 
 
 @pytest.mark.deepspeed_op
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'ray[train]', in the test extra)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'ray[train]', in the test extra)"
+)
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 @pytest.mark.timeout(300)
 def test_ray_train_runs_the_unchanged_loop_under_ddp_fsdp_and_deepspeed(tmp_path):
     strategies = ["ddp", "fsdp", "deepspeed"]
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "ray_train.py"), str(tmp_path), *strategies],
-        env=_env(), capture_output=True, text=True, timeout=280,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     print(proc.stdout.splitlines()[-1])  # Ray's start-up and total seconds, for --durations readers

@@ -87,14 +87,14 @@ def test_sigterm_to_every_process_at_once_is_one_clean_stop(tmp_path):
     import json
     import os
     import signal
-
-    from test_launch import _start_and_wait_ready
+    from pathlib import Path
 
     from conftest import SCRIPTS
+    from test_launch import _start_and_wait_ready
 
     out = tmp_path / "preempt.json"
     proc = _start_and_wait_ready(SCRIPTS / "preempt.py", out, tmp_path)
-    pids = [int(open(f"{out}.pid{r}").read()) for r in (0, 1)]
+    pids = [int(Path(f"{out}.pid{r}").read_text()) for r in (0, 1)]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)

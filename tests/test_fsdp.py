@@ -19,8 +19,8 @@ import scopedlite as lite
 from scopedlite._strategies.fsdp.hybrid import hsdp_shape
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, max_diff  # noqa: E402
-from _fsdp_common import (  # noqa: E402
+from _common import assert_close, max_diff
+from _fsdp_common import (
     JOIN_BATCH,
     JOIN_BATCHES,
     JOIN_CLIP,

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close  # noqa: E402
-from _hf_common import build, compile_reference, generate, quiet, reference  # noqa: E402
+from _common import assert_close
+from _hf_common import build, compile_reference, generate, quiet, reference
 
 pytest.importorskip("transformers")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -38,10 +38,7 @@ STRATEGIES = [
     # ZeRO-1 and ZeRO-3: the two parameter layouts (whole on every rank, partitioned). ZeRO-2
     # keeps ZeRO-1's layout and partitions gradients, which test_one_script, test_deepspeed and
     # test_join's training suite run (dropped here to keep the suite within 10 minutes)
-    *(
-        pytest.param(f"deepspeed_stage_{stage}", marks=[needs_deepspeed, pytest.mark.deepspeed_op])
-        for stage in (1, 3)
-    ),
+    *(pytest.param(f"deepspeed_stage_{stage}", marks=[needs_deepspeed, pytest.mark.deepspeed_op]) for stage in (1, 3)),
 ]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import batches, make_data, make_model, max_diff, reference_training, shards  # noqa: E402
+from _common import batches, make_data, max_diff, reference_training, shards
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,7 +65,7 @@ def _check_join_run(ranks, world, n, batch, divide):
         assert r["len_outside"] == math.ceil(math.ceil(n / world) / batch)
         assert len(r["padded_seen"]) == math.ceil(n / world)
     assert sorted(i for r in ranks for i in r["seen"]) == list(range(n))
-    assert set(i for r in ranks for i in r["padded_seen"]) == set(range(n))
+    assert {i for r in ranks for i in r["padded_seen"]} == set(range(n))
 
     # Every collective inside join covers exactly the ranks still active at that step.
     steps = max(len(b) for b in per_rank_batches)
@@ -147,7 +147,11 @@ def test_what_a_joined_rank_cannot_mirror_is_refused_on_every_rank_at_once(scrip
     timeout, not by this error)."""
     result = script("join_refusals", "unmirrorable")
     assert result.returncode == 0, result.explain()
-    calls = {"clip": "torch.nn.utils.clip_grad_norm_", "total": "torch.nn.utils.get_total_norm", "full": "DTensor.full_tensor()"}
+    calls = {
+        "clip": "torch.nn.utils.clip_grad_norm_",
+        "total": "torch.nn.utils.get_total_norm",
+        "full": "DTensor.full_tensor()",
+    }
     for rank, out in enumerate(result.json()):
         for name in ("loader_gather", "loader_reduce"):
             kind = name.split("_")[1]
@@ -156,7 +160,10 @@ def test_what_a_joined_rank_cannot_mirror_is_refused_on_every_rank_at_once(scrip
             assert f"rank 0: lite.all_{kind}" in error and "float32[2]" in error and "float32[3]" in error
         gathered, reduced = out[f"{rank}:list_gather"], out[f"{rank}:list_reduce"]
         assert "called the same collective with tensors of different shapes" in gathered, gathered
-        assert "rank 0: lite.all_gather of float32[2] at " in gathered and "rank 1: lite.all_gather of float32[3]" in gathered
+        assert (
+            "rank 0: lite.all_gather of float32[2] at " in gathered
+            and "rank 1: lite.all_gather of float32[3]" in gathered
+        )
         assert "rank 1: lite.all_reduce(op='sum') of float32[3]" in reduced and "gather_for_metrics" in reduced
         assert "after the loop" not in gathered  # the unrelated hint is gone
         for name, call in calls.items():
@@ -202,11 +209,16 @@ def test_join_refuses_what_a_joined_rank_cannot_mirror(script, strategy):
         assert "LR scheduler" in errors["lr_by_hand"]
         assert errors["disagree"].startswith("RuntimeError") and "announced different steps" in errors["disagree"]
         assert errors["plateau"].startswith("RuntimeError") and "ReduceLROnPlateau" in errors["plateau"]
-        assert errors["two_forwards"].startswith("RuntimeError") and "loss built from several forwards" in errors["two_forwards"]
+        assert (
+            errors["two_forwards"].startswith("RuntimeError")
+            and "loss built from several forwards" in errors["two_forwards"]
+        )
         # clip_gradients with an optimizer set up in no run (DeepSpeed clips inside join too:
         # test_join_training_suite_every_strategy): the join session refuses it under both
         unknown = errors["unknown_optimizer"]
-        assert unknown.startswith("ValueError") and "lite.join got an optimizer that was not set up in this run" in unknown, unknown
+        assert (
+            unknown.startswith("ValueError") and "lite.join got an optimizer that was not set up in this run" in unknown
+        ), unknown
         assert errors["after"] == 2
     _check_aborts(result.json())
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import SCRIPTS, run_warm
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))

@@ -1,4 +1,5 @@
-"""Launching from a script, -m and -c (whatever the script did to sys.argv); code after the block runs once; failures end fast."""
+"""Launching from a script, -m and -c (whatever the script did to sys.argv); code after the block
+runs once; failures end fast."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import json
 import os
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -63,7 +65,7 @@ def test_workers_get_the_command_line_as_typed_whatever_the_script_did_to_sys_ar
     start = tmp_path / where
     result = run_python(*before, *args, cwd=start, env={"EDIT": edit})
     assert result.returncode == 0, result.explain()
-    outs = [json.loads(open(f"{result._out}.rank{r}").read()) for r in (0, 1)]
+    outs = [json.loads(Path(f"{result._out}.rank{r}").read_text()) for r in (0, 1)]
     for out in outs:
         assert out["argv"][1:] == args
         assert os.path.join(start, out["argv"][0]) == os.path.join(start, outs[0]["argv"][0])
@@ -133,7 +135,14 @@ def test_the_command_line_is_read_by_the_interpreters_grammar(argv, form, value,
 def _rebuild(**overrides):
     from scopedlite._hardware.program import rebuild
 
-    facts = {"orig_argv": ["py", "x.py"], "executable": "/bin/python", "main_file": "/w/x.py", "main_spec": None, "path0": "/w", "imported_in": "/w"}
+    facts = {
+        "orig_argv": ["py", "x.py"],
+        "executable": "/bin/python",
+        "main_file": "/w/x.py",
+        "main_spec": None,
+        "path0": "/w",
+        "imported_in": "/w",
+    }
     return rebuild(**{**facts, **overrides})
 
 
@@ -358,8 +367,10 @@ def test_collective_timeout_shows_where_every_rank_was(script):
     rank1 = message.split("--- rank 1 ---")[1]
     from conftest import SCRIPTS
 
-    sleep_line = 1 + [i for i, l in enumerate((SCRIPTS / "fail.py").read_text().splitlines()) if "time.sleep(30)" in l][0]
-    assert f"fail.py\", line {sleep_line}" in rank1  # rank 1 sits in its sleep, not in the collective
+    sleep_line = (
+        1 + [i for i, ln in enumerate((SCRIPTS / "fail.py").read_text().splitlines()) if "time.sleep(30)" in ln][0]
+    )
+    assert f'fail.py", line {sleep_line}' in rank1  # rank 1 sits in its sleep, not in the collective
     _assert_no_survivors(out["pids"])
 
 
@@ -378,7 +389,7 @@ def test_parent_killed_leaves_no_orphans(run_python, tmp_path):
     )
     result = run_python("-c", code)
     assert result.returncode == -9
-    worker = int(open(f"{result._out}.pid1").read())
+    worker = int(Path(f"{result._out}.pid1").read_text())
     psutil.wait_procs([psutil.Process(worker)] if psutil.pid_exists(worker) else [], timeout=3)
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
 
@@ -405,10 +416,10 @@ def test_later_blocks_fork_and_code_after_each_block_runs_once(run_python, tmp_p
     pids = {}
     for block in ("first", "second"):
         for rank in (0, 1):
-            data = json.load(open(f"{base}.{block}.rank{rank}"))
+            data = json.loads(Path(f"{base}.{block}.rank{rank}").read_text())
             assert data["sum"] == 3
             pids[block, rank] = data["pid"]
-    assert open(f"{base}.after").read().split() == ["first", "second"]
+    assert Path(f"{base}.after").read_text().split() == ["first", "second"]
     assert pids["first", 0] == pids["second", 0]  # rank 0 is the main process both times
     assert pids["first", 1] != pids["second", 1]  # a new worker (forked) for the second
 
@@ -447,11 +458,9 @@ def test_torchrun_world_is_joined_not_spawned(run_python, tmp_path):
             """
         )
     )
-    result = run_python(
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path), timeout=120
-    )
+    result = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(path), timeout=120)
     assert result.returncode == 0, result.explain()
-    infos = [json.load(open(f"{result._out}.rank{r}")) for r in (0, 1)]
+    infos = [json.loads(Path(f"{result._out}.rank{r}").read_text()) for r in (0, 1)]
     for info in infos:
         assert info["sum"] == 3 and info["world"] == 2 and info["strategy"] == "ddp"
         assert info["children"] == 0  # launch spawned nothing
@@ -483,7 +492,9 @@ def test_ctrl_c_in_the_main_process_stops_every_worker(tmp_path):
             time.sleep(60)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 30
     while len(list(marks.glob("pid*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -517,7 +528,7 @@ def test_worker_failing_before_it_reaches_launch_is_reported_before_the_timeout(
     )
     result = run_python("-c", code)
     assert result.returncode == 0, result.explain()
-    line = next(l for l in result.stdout.splitlines() if l.startswith("CAUGHT"))
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("CAUGHT"))
     assert line.startswith("CAUGHT (1,) True")
     assert float(line.split()[-1]) < 60  # found, not waited out: rank 0's wait for its group ends at 60 s
 
@@ -534,9 +545,9 @@ def test_a_forked_block_then_an_auto_block_forks_again(run_python):
     )
     result = run_python("-c", code)
     assert result.returncode == 0, result.explain()
-    lines = [l for l in result.stdout.splitlines() if l.startswith("block")]
-    assert [l.split()[:3] for l in lines] == [["block", "fork", "2"], ["block", "auto", "2"]]
-    assert len({l.split()[3] for l in lines}) == 1  # both printed by the main process only
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("block")]
+    assert [ln.split()[:3] for ln in lines] == [["block", "fork", "2"], ["block", "auto", "2"]]
+    assert len({ln.split()[3] for ln in lines}) == 1  # both printed by the main process only
 
 
 def _start_and_wait_ready(script_path, out, tmp_path):
@@ -549,7 +560,14 @@ def _start_and_wait_ready(script_path, out, tmp_path):
 
     env = _env()
     env["OUT"] = str(out)
-    proc = subprocess.Popen([sys.executable, str(script_path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script_path)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 40
     while not os.path.exists(f"{out}.ready") and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -570,7 +588,7 @@ def test_sigterm_lets_the_loop_save_and_stop_on_every_rank(tmp_path):
     result = json.loads(out.read_text())
     assert result["saved"]
     assert result["steps"][0] == result["steps"][1] >= 5  # both ranks left at the same step
-    _assert_no_survivors([int(open(f"{out}.pid{r}").read()) for r in (0, 1)])
+    _assert_no_survivors([int(Path(f"{out}.pid{r}").read_text()) for r in (0, 1)])
 
 
 def test_a_second_sigterm_stops_at_once(tmp_path):
@@ -602,7 +620,7 @@ def test_a_second_sigterm_stops_at_once(tmp_path):
     os.kill(proc.pid, signal.SIGTERM)
     proc.communicate(timeout=15)
     assert proc.returncode == 128 + signal.SIGTERM
-    _assert_no_survivors([int(open(f"{out}.pid{r}").read()) for r in (0, 1)])
+    _assert_no_survivors([int(Path(f"{out}.pid{r}").read_text()) for r in (0, 1)])
 
 
 LISTENING = """
@@ -649,7 +667,7 @@ def test_summary_is_the_exception_line_and_rank_zero_tracebacks_are_unprefixed(r
     )
     result = run_python("-c", code)
     assert result.returncode == 1
-    summary = next(l for l in result.stdout.splitlines() if l.startswith("SUMMARY"))
+    summary = next(ln for ln in result.stdout.splitlines() if ln.startswith("SUMMARY"))
     assert summary == "SUMMARY rank 1 raised AssertionError: assert 1 == 2. The other ranks were stopped."
     assert "ValueError: uncaught on rank 0" in result.stderr
     assert "[rank0]" not in result.stderr, result.stderr
@@ -674,7 +692,7 @@ def test_a_worker_that_exits_with_code_0_before_launch_is_reported_at_once(run_p
     )
     result = run_python("-c", code)
     assert result.returncode == 0, result.explain()
-    line = next(l for l in result.stdout.splitlines() if l.startswith("CAUGHT"))
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("CAUGHT"))
     assert line.startswith("CAUGHT (1,) 0"), result.stdout
     assert float(line.split()[-1]) < 60  # found, not waited out: rank 0's wait for its group ends at 60 s
     assert "rank 1 exited with code 0 before it reached lite.launch(" in result.stdout
@@ -687,8 +705,14 @@ def test_a_script_read_from_stdin_with_its_own_dash_c_forks(tmp_path):
 
     from conftest import _env
 
-    code = "import sys, scopedlite as lite\nwith lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=60) as run:\n    print('sum', lite.all_reduce(1), sys.argv)\n"
-    proc = subprocess.run([sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60)
+    code = (
+        "import sys, scopedlite as lite\n"
+        "with lite.launch(strategy='ddp', devices=2, accelerator='cpu', timeout=60) as run:\n"
+        "    print('sum', lite.all_reduce(1), sys.argv)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-", "-c"], input=code, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sum 2 ['-', '-c']" in proc.stdout
 
@@ -711,7 +735,7 @@ def test_two_launches_from_one_line_are_told_apart(run_python, tmp_path):
     )
     result = run_python(str(path))
     assert result.returncode == 0, result.explain()
-    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULTS")]
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULTS")]
     assert len(lines) == 1 and lines[0].startswith("RESULTS [1] [2, 2]"), result.stdout
 
 
@@ -746,7 +770,7 @@ def test_a_script_started_by_rank_1_launches_a_run_of_its_own(run_python, tmp_pa
     )
     result = run_python(str(parent))
     assert result.returncode == 0, result.explain()
-    child_out = open(f"{result._out}.child").read()
+    child_out = Path(f"{result._out}.child").read_text()
     assert "CHILD 21 2 {'RANK': None, 'WORLD_SIZE': None, 'SCOPEDLITE_LAUNCH_TOKEN': None}" in child_out, child_out
     assert "RANK in the environment of rank 0 : None" in result.stdout
     assert "RANK in the environment of rank 1 : None" in result.stdout  # as on rank 0
@@ -772,9 +796,13 @@ def test_a_second_forked_block_after_an_fsdp_block_starts_and_runs(run_python):
     "strategy",
     [
         "ddp",
-        pytest.param("deepspeed_stage_2", marks=pytest.mark.skipif(
-            importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
-        )),
+        pytest.param(
+            "deepspeed_stage_2",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deepspeed") is None,
+                reason="deepspeed is not installed (pip install scopedlite[deepspeed])",
+            ),
+        ),
     ],
 )
 def test_later_forked_blocks_whose_workers_drop_an_earlier_blocks_model_finish(script, strategy):

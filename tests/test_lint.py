@@ -1,7 +1,8 @@
-"""The package passes its linter and is formatted as its formatter writes it.
+"""The package, the tests, the examples and the benchmarks pass the linter and are formatted as
+the formatter writes them.
 
-Ruff's settings live in pyproject.toml (``[tool.ruff]``). A failure prints ruff's own report;
-``ruff check --fix scopedlite`` and ``ruff format scopedlite`` mend most of it.
+Ruff's settings live in pyproject.toml (``[tool.ruff]``), the same for every folder. A failure
+prints ruff's own report; ``ruff check --fix FOLDER`` and ``ruff format FOLDER`` mend most of it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+FOLDERS = ["scopedlite", "tests", "examples", "benchmarks"]
 
+
+@pytest.mark.parametrize("folder", FOLDERS)
 @pytest.mark.parametrize(
-    "command",
-    [["check", "--no-cache", "scopedlite"], ["format", "--check", "--no-cache", "scopedlite"]],
-    ids=["check", "format"],
+    "command", [["check", "--no-cache"], ["format", "--check", "--no-cache"]], ids=["check", "format"]
 )
-def test_the_package_passes_ruff(command):
-    result = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0, f"ruff {' '.join(command)}:\n{result.stdout}{result.stderr}"
+def test_the_code_passes_ruff(command, folder):
+    result = subprocess.run([sys.executable, "-m", "ruff", *command, folder], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, f"ruff {' '.join(command)} {folder}:\n{result.stdout}{result.stderr}"

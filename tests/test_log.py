@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_warm
 
 import scopedlite as lite
+from conftest import SCRIPTS, run_warm
 
 
 def rows(path):
@@ -51,7 +51,8 @@ def test_csv_and_tensorboard_get_every_value_exactly(tmp_path):
         lite.log_dict({"acc": 0.5, "lr": torch.tensor([1e-3], dtype=torch.float64)}, step=10)
         lite.log("acc", 0.75)  # next step of "acc": 11
     assert rows(tmp_path / "logs" / "m.csv") == [
-        (0, "loss", 0.1 + 0.2), (1, "loss", 0.25), (10, "loss", 1 / 3), (10, "acc", 0.5), (10, "lr", 1e-3), (11, "acc", 0.75),
+        (0, "loss", 0.1 + 0.2), (1, "loss", 0.25), (10, "loss", 1 / 3),
+        (10, "acc", 0.5), (10, "lr", 1e-3), (11, "acc", 0.75),
     ]  # fmt: skip
     tb = scalars(tmp_path / "tb")
     assert tb["loss"] == [(0, pytest.approx(0.3)), (1, 0.25), (10, pytest.approx(1 / 3))]  # float32 in the file
@@ -75,10 +76,15 @@ def test_a_logger_reused_by_a_later_block_continues_its_file(tmp_path):
 
 def test_values_logged_before_a_failure_are_on_disk(tmp_path):
     recorder = Recorder()
-    with pytest.raises(ZeroDivisionError):
-        with lite.launch(accelerator="cpu", loggers=[lite.CSVLogger(tmp_path / "m.csv"), lite.TensorBoardLogger(tmp_path / "tb"), recorder]):
-            lite.log("loss", 2.0)
-            _ = 1 / 0
+    with (
+        pytest.raises(ZeroDivisionError),
+        lite.launch(
+            accelerator="cpu",
+            loggers=[lite.CSVLogger(tmp_path / "m.csv"), lite.TensorBoardLogger(tmp_path / "tb"), recorder],
+        ),
+    ):
+        lite.log("loss", 2.0)
+        _ = 1 / 0
     assert rows(tmp_path / "m.csv") == [(0, "loss", 2.0)]
     assert scalars(tmp_path / "tb") == {"loss": [(0, 2.0)]}
     assert recorder.calls[-1] == "failed"
@@ -87,7 +93,11 @@ def test_values_logged_before_a_failure_are_on_disk(tmp_path):
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
-        (lambda: (lite.log("a", 1.0, step=5), lite.log("a", 2.0, step=5)), ValueError, ["step=5 for 'a'", "last step 5", "step=6"]),
+        (
+            lambda: (lite.log("a", 1.0, step=5), lite.log("a", 2.0, step=5)),
+            ValueError,
+            ["step=5 for 'a'", "last step 5", "step=6"],
+        ),
         (lambda: (lite.log("a", 1.0, step=5), lite.log("a", 2.0, step=3)), ValueError, ["step=3 for 'a'"]),
         (lambda: lite.log("a", 1.0, step=-1), ValueError, ["step=-1", ">= 0"]),
         (lambda: lite.log("a", "1.0"), TypeError, ["lite.log('a', '1.0')", "str"]),
@@ -98,9 +108,8 @@ def test_values_logged_before_a_failure_are_on_disk(tmp_path):
 )
 def test_bad_calls_are_refused_and_nothing_is_written(tmp_path, call, error, words):
     recorder = Recorder()
-    with lite.launch(accelerator="cpu", loggers=recorder):
-        with pytest.raises(error) as info:
-            call()
+    with lite.launch(accelerator="cpu", loggers=recorder), pytest.raises(error) as info:
+        call()
     for word in words:
         assert word in str(info.value), str(info.value)
     assert all(metrics == {"a": 1.0} for metrics, _ in recorder.calls[:-1])  # the refused call wrote nothing
@@ -115,9 +124,8 @@ def test_a_steps_check_holds_for_each_name_alone():
 
 
 def test_launch_refuses_what_is_not_a_logger():
-    with pytest.raises(TypeError) as info:
-        with lite.launch(accelerator="cpu", loggers=[lite.CSVLogger("m.csv"), "tb"]):
-            pass
+    with pytest.raises(TypeError) as info, lite.launch(accelerator="cpu", loggers=[lite.CSVLogger("m.csv"), "tb"]):
+        pass
     assert "loggers[1]='tb' is not a logger" in str(info.value) and "log_metrics(metrics, step)" in str(info.value)
 
 
@@ -131,13 +139,15 @@ TWO_RANKS = """
 import json, os, sys, scopedlite as lite
 from scopedlite import WorkerFailedError
 folder = sys.argv[1]
-with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=[lite.CSVLogger(folder + "/ok.csv"), lite.TensorBoardLogger(folder + "/tb")]) as run:
+loggers = [lite.CSVLogger(folder + "/ok.csv"), lite.TensorBoardLogger(folder + "/tb")]
+with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=loggers) as run:
     for step in range(3):
         lite.log("rank", run.global_rank, step=step)          # rank 0's value, written once
         lite.log("mean", lite.all_reduce(float(run.global_rank + step), op="mean"))
 # A later block forks; rank 1 fails after rank 0 logged: rank 0's values are flushed anyway.
 try:
-    with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=lite.CSVLogger(folder + "/failed.csv")) as run:
+    failed = lite.CSVLogger(folder + "/failed.csv")
+    with lite.launch(accelerator="cpu", strategy="ddp", devices=2, loggers=failed) as run:
         lite.log("loss", 7.0)
         if run.global_rank == 1:
             raise KeyError("rank 1 fails")
@@ -262,7 +272,9 @@ def mlflow_run(store, run_id):
     4 FAILED)."""
     (run,) = store.glob(f"*/{run_id}")
     fields = dict(line.split(": ", 1) for line in (run / "meta.yaml").read_text().splitlines() if ": " in line)
-    experiment = dict(line.split(": ", 1) for line in (run.parent / "meta.yaml").read_text().splitlines() if ": " in line)
+    experiment = dict(
+        line.split(": ", 1) for line in (run.parent / "meta.yaml").read_text().splitlines() if ": " in line
+    )
     metrics = [
         (int(step), path.name, float(value))
         for path in (run / "metrics").iterdir()

@@ -4,6 +4,7 @@ join block, gives the exact whole-dataset metric on 2 and 3 ranks with uneven sh
 from __future__ import annotations
 
 import pytest
+
 from conftest import run_warm
 
 pytest.importorskip("torchmetrics", reason="torchmetrics is in the test extra (pip install scopedlite[test])")

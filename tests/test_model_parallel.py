@@ -22,8 +22,8 @@ from scopedlite._strategies.model_parallel.strategy import mesh_shape
 from scopedlite._strategies.registry import names_supporting
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, max_diff  # noqa: E402
-from _model_parallel_common import (  # noqa: E402
+from _common import assert_close, max_diff
+from _model_parallel_common import (
     BATCH,
     CLIP_NORM,
     JOIN_CLIP,
@@ -66,7 +66,7 @@ def _reference() -> tuple[torch.nn.Module, list[int], dict[str, float], float]:
         rows = [r for share in shares for r in share[b * BATCH : (b + 1) * BATCH]]
         steps.append((index[rows], x[rows], y[rows]))
 
-    def clip(max_norm=None, clip_val=None, norm_type=2.0):  # noqa: ANN001, ANN202
+    def clip(max_norm=None, clip_val=None, norm_type=2.0):
         if clip_val is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), clip_val)
             return None
@@ -184,7 +184,7 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     assert out["eval_mean"] == pytest.approx(eval_mean, rel=1e-5)
     # the collectives count each replica once, as ddp counts each rank (not each process:
     # 2 * N_EVAL), and refuse a replica whose ranks disagree, on every rank
-    for r, mine in enumerate(ranks):
+    for mine in ranks:
         assert mine["eval_count"] == N_EVAL
         assert sorted(mine["eval_gathered"]) == list(range(N_EVAL))
         assert mine["replica_mean"] == 0.5 and mine["replica_gather"] == [0, 1]

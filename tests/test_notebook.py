@@ -41,7 +41,9 @@ def _losses(text: str) -> list[float]:
 @pytest.mark.timeout(150)
 def test_notebook_trains_reports_a_failing_rank_and_runs_again(tmp_path):
     nb = nbformat.read(REPO / "examples" / "notebook.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=90, resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=90, resources={"metadata": {"path": str(tmp_path)}}
+    )
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
     train_index = next(i for i in code if "lite.launch" in nb.cells[i].source)
     with client.setup_kernel():

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, make_data, make_model  # noqa: E402
-from one_rank_forward import BATCH, STEPS, bn_model, eval_rows  # noqa: E402
-
-from scopedlite._strategies.fsdp.strategy import FULL_WEIGHTS  # noqa: E402
+from _common import assert_close, make_data, make_model
+from one_rank_forward import BATCH, STEPS, bn_model, eval_rows
+from scopedlite._strategies.fsdp.strategy import FULL_WEIGHTS
 
 pytestmark = pytest.mark.timeout(150)
 

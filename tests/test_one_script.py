@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from conftest import run_warm
@@ -64,7 +63,9 @@ COMPARED = [
 
 def _run(strategy: str, directory: Path) -> dict:
     result = run_warm(SCRIPT, strategy, directory, tmp_path=directory, timeout=TIMEOUT - 20, cwd=directory)
-    assert result.returncode == 0, f"{strategy}: exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    assert result.returncode == 0, (
+        f"{strategy}: exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    )
     return result.json()
 
 
@@ -115,7 +116,9 @@ def _reference() -> dict:
     model_a, model_b = build(20), build(21)
     x, y = global_batch(50)
     (loss_of(model_a, x, y) + loss_of(model_b, x, y)).backward()  # one loss through two models
-    out["joint_grads"] = [[None if p.grad is None else p.grad.flatten().tolist() for p in m.parameters()] for m in (model_a, model_b)]
+    out["joint_grads"] = [
+        [None if p.grad is None else p.grad.flatten().tolist() for p in m.parameters()] for m in (model_a, model_b)
+    ]
     model_a.zero_grad()
     model_b.zero_grad()
     train(model_b, sgd(model_b), steps=1, start=51)
@@ -212,7 +215,9 @@ def test_backward_refuses_a_model_that_is_not_a_module():
     import scopedlite as lite
 
     loss = torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum()
-    with pytest.raises(TypeError, match=r"lite.backward\(loss, model=...\) takes the model returned by lite.setup, got str"):
+    with pytest.raises(
+        TypeError, match=r"lite.backward\(loss, model=...\) takes the model returned by lite.setup, got str"
+    ):
         lite.backward(loss, model="generator")
 
 
@@ -267,7 +272,9 @@ def test_a_method_of_an_fsdp_unit_gathers_and_trains_as_one_process(script):
 def _check_joint_grads(got, expected, strategy):
     assert len(got) == len(expected) == 2
     for m, (got_model, expected_model) in enumerate(zip(got, expected)):
-        assert [g is None for g in got_model] == [e is None for e in expected_model], f"{strategy}: model {m}: which gradients exist"
+        assert [g is None for g in got_model] == [e is None for e in expected_model], (
+            f"{strategy}: model {m}: which gradients exist"
+        )
         assert any(e is not None for e in expected_model)
         for k, (g, e) in enumerate(zip(got_model, expected_model)):
             if e is not None:

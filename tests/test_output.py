@@ -50,7 +50,9 @@ def test_prefix_goes_at_the_start_of_every_line_only():
     assert stream.getvalue() == out.getvalue()  # everything else is the wrapped stream's
 
 
-@pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
+@pytest.mark.parametrize(
+    ("value", "enabled"), [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)]
+)
 def test_prefix_opt_out(value, enabled):
     assert prefix_enabled({} if value is None else {"SCOPEDLITE_RANK_PREFIX": value}) is enabled
 

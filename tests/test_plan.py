@@ -61,9 +61,24 @@ BAD = [
     ({"strategy": "single", "devices": 2}, CPU, ValueError, ["strategy='single'", "ddp"]),
     ({"strategy": "ddp", "devices": 2, "launcher": "script"}, NOTEBOOK, ValueError, ["launcher='script'", "fork"]),
     ({"strategy": "ddp", "accelerator": "mps"}, Machine(mps_available=True), ValueError, ["'ddp'", "mps"]),
-    ({"strategy": "ddp", "devices": 2, "launcher": "fork"}, Machine(cpu_count=2, cuda_initialized=True, cuda_device_count=2), ValueError, ["CUDA is already initialised"]),
-    ({"strategy": "ddp", "devices": 2, "launcher": "script"}, Machine(launched_before=True), ValueError, ["second multi-process launch"]),
-    ({"strategy": lite.DDPStrategy(process_group_backend="nccl"), "accelerator": "cpu"}, CPU, ValueError, ["nccl", "cpu"]),
+    (
+        {"strategy": "ddp", "devices": 2, "launcher": "fork"},
+        Machine(cpu_count=2, cuda_initialized=True, cuda_device_count=2),
+        ValueError,
+        ["CUDA is already initialised"],
+    ),
+    (
+        {"strategy": "ddp", "devices": 2, "launcher": "script"},
+        Machine(launched_before=True),
+        ValueError,
+        ["second multi-process launch"],
+    ),
+    (
+        {"strategy": lite.DDPStrategy(process_group_backend="nccl"), "accelerator": "cpu"},
+        CPU,
+        ValueError,
+        ["nccl", "cpu"],
+    ),
 ]
 
 
@@ -121,7 +136,9 @@ def test_torchrun_world_is_joined():
 def test_torchrun_world_mismatch_is_an_error():
     with pytest.raises(ValueError, match="world has 2 per node and 4 in all"):
         plan(env=TORCHRUN, devices=3)
-    with pytest.raises(ValueError, match="launcher='fork' cannot be used inside an existing world \\(made by torchelastic\\)"):
+    with pytest.raises(
+        ValueError, match="launcher='fork' cannot be used inside an existing world \\(made by torchelastic\\)"
+    ):
         plan(env=TORCHRUN, launcher="fork")
     broken = {k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}
     with pytest.raises(ValueError, match="MASTER_PORT"):
@@ -135,7 +152,12 @@ def test_plan_is_frozen():
 
 
 # the arguments whose valid values are a closed set, which a refusal of another value lists
-CHOICES = {"accelerator": ACCELERATORS, "launcher": LAUNCHERS, "precision": tuple(PRECISIONS), "strategy": ("auto", *STRATEGIES)}
+CHOICES = {
+    "accelerator": ACCELERATORS,
+    "launcher": LAUNCHERS,
+    "precision": tuple(PRECISIONS),
+    "strategy": ("auto", *STRATEGIES),
+}
 
 
 def _assert_names_the_argument_value_and_choices(message: str, args: dict) -> None:
@@ -162,22 +184,41 @@ def test_the_clear_error_check_can_fail():
 @settings(max_examples=200, deadline=None)
 @given(
     accelerator=st.one_of(st.sampled_from(ACCELERATORS), st.text(max_size=5)),
-    devices=st.one_of(st.integers(-3, 6), st.lists(st.integers(-1, 5), max_size=4), st.just("auto"), st.text(max_size=3)),
-    precision=st.one_of(st.sampled_from(["32-true", "bf16-mixed", "16-mixed", "64-true", "16-true"]), st.text(max_size=5)),
+    devices=st.one_of(
+        st.integers(-3, 6), st.lists(st.integers(-1, 5), max_size=4), st.just("auto"), st.text(max_size=3)
+    ),
+    precision=st.one_of(
+        st.sampled_from(["32-true", "bf16-mixed", "16-mixed", "64-true", "16-true"]), st.text(max_size=5)
+    ),
     launcher=st.one_of(st.sampled_from(LAUNCHERS), st.text(max_size=4)),
     timeout=st.one_of(st.none(), st.floats(-5, 5, allow_nan=False), st.integers(-5, 5)),
     strategy=st.sampled_from(["auto", "single", "ddp", "ddp_fork", "nope"]),
     gpus=st.integers(0, 4),
 )
-def test_resolve_either_plans_consistently_or_raises_a_clear_error(accelerator, devices, precision, launcher, timeout, strategy, gpus):
+def test_resolve_either_plans_consistently_or_raises_a_clear_error(
+    accelerator, devices, precision, launcher, timeout, strategy, gpus
+):
     machine = Machine(cuda_device_count=gpus, cpu_count=4)
     try:
         p = resolve(
-            accelerator=accelerator, devices=devices, precision=precision, launcher=launcher,
-            timeout=timeout, strategy=strategy, env={}, machine=machine,
+            accelerator=accelerator,
+            devices=devices,
+            precision=precision,
+            launcher=launcher,
+            timeout=timeout,
+            strategy=strategy,
+            env={},
+            machine=machine,
         )
     except (ValueError, TypeError) as e:
-        args = {"accelerator": accelerator, "devices": devices, "precision": precision, "launcher": launcher, "timeout": timeout, "strategy": strategy}
+        args = {
+            "accelerator": accelerator,
+            "devices": devices,
+            "precision": precision,
+            "launcher": launcher,
+            "timeout": timeout,
+            "strategy": strategy,
+        }
         _assert_names_the_argument_value_and_choices(str(e), args)
         return
     assert p.world_size == len(p.devices) * p.num_nodes
@@ -195,7 +236,13 @@ CLI = {"SCOPEDLITE_CLI_STRATEGY": "ddp", "SCOPEDLITE_CLI_DEVICES": "2", "SCOPEDL
 
 def test_arguments_left_at_their_default_take_the_command_lines_values():
     p = plan(env={**TORCHRUN, **CLI, "SCOPEDLITE_CLI_ACCELERATOR": "cpu", "SCOPEDLITE_CLI_NUM_NODES": "2"})
-    assert (p.strategy.name, p.devices, p.precision.name, p.accelerator, p.num_nodes) == ("ddp", (0, 1), "bf16-mixed", "cpu", 2)
+    assert (p.strategy.name, p.devices, p.precision.name, p.accelerator, p.num_nodes) == (
+        "ddp",
+        (0, 1),
+        "bf16-mixed",
+        "cpu",
+        2,
+    )
     # written out at the default value counts as the default
     assert plan(env={**TORCHRUN, **CLI}, precision="32-true", strategy="auto").precision.name == "bf16-mixed"
     # the command line's strategy, not "auto"'s choice: fsdp rather than ddp
@@ -218,7 +265,11 @@ def test_arguments_that_agree_with_the_command_line_are_kept():
         ({"devices": 4}, CLI, ["launch(devices=4)", "--devices 2"]),
         ({"devices": [0, 1, 2]}, CLI, ["launch(devices=[0, 1, 2])", "--devices 2"]),
         ({"precision": "64-true"}, CLI, ["launch(precision='64-true')", "--precision bf16-mixed"]),
-        ({"accelerator": "cuda"}, {"SCOPEDLITE_CLI_ACCELERATOR": "cpu"}, ["launch(accelerator='cuda')", "--accelerator cpu"]),
+        (
+            {"accelerator": "cuda"},
+            {"SCOPEDLITE_CLI_ACCELERATOR": "cpu"},
+            ["launch(accelerator='cuda')", "--accelerator cpu"],
+        ),
         ({"num_nodes": 1}, {"SCOPEDLITE_CLI_NUM_NODES": "2"}, ["launch(num_nodes=1)", "--num-nodes 2"]),
         ({}, {"SCOPEDLITE_CLI_PRECISION": "fp8"}, ["SCOPEDLITE_CLI_PRECISION='fp8'", "--precision", "'bf16-mixed'"]),
     ],

@@ -105,16 +105,20 @@ def test_profile_disabled_does_nothing(tmp_path):
 
 
 def test_profile_chosen_rank_outside_world(tmp_path):
-    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] do not exist in a world of 1; valid ranks are 0..0"):
-        with lite.profile(tmp_path, ranks=[0, 1]):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"rank\(s\) \[1\] do not exist in a world of 1; valid ranks are 0..0"),
+        lite.profile(tmp_path, ranks=[0, 1]),
+    ):
+        pass
 
 
 def test_profile_does_not_nest(tmp_path):
-    with lite.profile(tmp_path, enabled=False):
-        with pytest.raises(lite.ScopeError, match="already open"):
-            with lite.profile(tmp_path):
-                pass
+    with (
+        lite.profile(tmp_path, enabled=False),
+        pytest.raises(lite.ScopeError, match="already open"),
+        lite.profile(tmp_path),
+    ):
+        pass
 
 
 @pytest.mark.parametrize(

@@ -21,15 +21,15 @@ import time
 
 import pytest
 import torch
-from conftest import SCRIPTS, _env
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
 import scopedlite as lite
+from conftest import SCRIPTS, _env
 from scopedlite import ShardedSampler
 from scopedlite._api.loader_state import Interrupted
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import max_diff  # noqa: E402
+from _common import max_diff
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -159,7 +159,9 @@ def test_one_process_resumes_on_two_ranks_from_an_epoch_boundary_and_refuses_mid
             for epoch in (1, 2):
                 assert rank["read"][str(epoch)] == _order(epoch)[r::2], (strategy, r, epoch)
             worst = max_diff(rank["params"], expected, f"{strategy} rank {r}'s parameters")
-            assert worst <= 1e-5, f"{strategy} rank {r}: parameters differ from the one-process reference by {worst:.3g}"
+            assert worst <= 1e-5, (
+                f"{strategy} rank {r}: parameters differ from the one-process reference by {worst:.3g}"
+            )
 
 
 def test_single_resumes_from_the_last_complete_checkpoint_after_sigkill_mid_save(tmp_path, script):
@@ -168,7 +170,11 @@ def test_single_resumes_from_the_last_complete_checkpoint_after_sigkill_mid_save
     env["OUT"] = str(tmp_path / "killed.json")
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "resume.py"), "single", "1", "k,every,nojoin,0,0"],
-        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     checkpoint, partial = tmp_path / "k.ckpt", []
     deadline = time.monotonic() + 60
@@ -236,7 +242,9 @@ def _values(batches):
     return [batch[0].tolist() for batch in batches]
 
 
-@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "persistent_workers": True}], ids=["plain", "persistent_workers"])
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2, "persistent_workers": True}], ids=["plain", "persistent_workers"]
+)
 def test_a_loader_saved_mid_pass_continues_with_the_next_batch_and_random_state(tmp_path, workers):
     # persistent workers draw their base seed once per process: the restart must not draw it again
     lite.seed_everything(1)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import concurrent.futures
+import contextlib
 import threading
 
 import pytest
@@ -47,20 +47,20 @@ def test_a_scope_object_is_good_for_one_block():
     scope = lite.autocast()
     with scope:
         pass
-    with pytest.raises(lite.ScopeError, match="already entered once"):
-        with scope:
-            pass
+    with pytest.raises(lite.ScopeError, match="already entered once"), scope:
+        pass
     nested = lite.rank_zero_first()
-    with nested:
-        with pytest.raises(lite.ScopeError):
-            nested.__enter__()
+    with nested, pytest.raises(lite.ScopeError):
+        nested.__enter__()
 
 
 def test_launch_does_not_nest():
-    with lite.launch(accelerator="cpu"):
-        with pytest.raises(lite.ScopeError, match="do not nest"):
-            with lite.launch(accelerator="cpu"):
-                pass
+    with (
+        lite.launch(accelerator="cpu"),
+        pytest.raises(lite.ScopeError, match="do not nest"),
+        lite.launch(accelerator="cpu"),
+    ):
+        pass
 
 
 def test_threads_started_in_a_launch_block_see_its_run():
@@ -120,7 +120,11 @@ def test_autocast_nests_innermost_wins():
 
 
 def test_exceptions_pass_through_scopes_untouched():
-    with pytest.raises(KeyError, match="mine"):
-        with lite.launch(accelerator="cpu"), lite.autocast(), lite.rank_zero_first():
-            raise KeyError("mine")
+    with (
+        pytest.raises(KeyError, match="mine"),
+        lite.launch(accelerator="cpu"),
+        lite.autocast(),
+        lite.rank_zero_first(),
+    ):
+        raise KeyError("mine")
     assert open_scopes() == ()

@@ -85,7 +85,9 @@ def test_clip_gradients_by_any_p_norm_matches_torch(norm_type):
     torch.nn.functional.cross_entropy(reference(x), y).backward()
     p = float(norm_type)
     grads = torch.cat([q.grad.flatten() for q in reference.parameters()])
-    assert norm.item() == pytest.approx(grads.abs().max().item() if p == float("inf") else grads.abs().pow(p).sum().pow(1 / p).item(), rel=1e-6)
+    assert norm.item() == pytest.approx(
+        grads.abs().max().item() if p == float("inf") else grads.abs().pow(p).sum().pow(1 / p).item(), rel=1e-6
+    )
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type=p)
     assert torch.equal(norm, ref_norm) and norm > 0.01  # it did clip
     for a, b in zip(model.parameters(), reference.parameters()):
@@ -109,7 +111,9 @@ def test_clip_gradients_refuses_a_bad_norm_type(kwargs, words):
         assert word in str(info.value)
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64), ("16-true", torch.float16)])
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16-true", torch.bfloat16), ("64-true", torch.float64), ("16-true", torch.float16)]
+)
 def test_true_precisions_convert_module_and_inputs(precision, dtype):
     with lite.launch(accelerator="cpu", precision=precision):
         model = lite.setup(torch.nn.Linear(3, 1))
@@ -288,17 +292,17 @@ def test_join_is_a_no_op_on_one_device():
         assert lite.all_reduce(2.0, op="mean") == 2.0
     with pytest.raises(TypeError, match="divide_by_initial_world_size"):
         lite.join(model, divide_by_initial_world_size="yes")
-    with lite.join():
-        with pytest.raises(lite.ScopeError, match="do not nest"):
-            with lite.join():
-                pass
+    with lite.join(), pytest.raises(lite.ScopeError, match="do not nest"), lite.join():
+        pass
 
 
 def test_a_second_setup_of_the_same_module_in_one_run_is_refused():
     model = _model()
     with lite.launch(devices=1, accelerator="cpu"):
         prepared = lite.setup(model)
-        with pytest.raises(RuntimeError, match=r"already set up in this run \(at .*test_single.py:\d+\).*model = lite.setup\(model\)"):
+        with pytest.raises(
+            RuntimeError, match=r"already set up in this run \(at .*test_single.py:\d+\).*model = lite.setup\(model\)"
+        ):
             lite.setup(model)
         with pytest.raises(RuntimeError, match="already set up in this run"):
             lite.setup(prepared, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -372,9 +376,8 @@ def test_a_background_write_that_fails_is_raised_at_wait_at_the_next_save_and_at
         lite.save(path, failing, blocking=False)
         with pytest.raises(lite.CheckpointError, match="failed in the background"):
             lite.save(tmp_path / "next.pt", {"version": 3})
-    with pytest.raises(lite.CheckpointError, match="failed in the background"):
-        with lite.launch(strategy="single"):
-            lite.save(path, failing, blocking=False)
+    with pytest.raises(lite.CheckpointError, match="failed in the background"), lite.launch(strategy="single"):
+        lite.save(path, failing, blocking=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
     assert lite.load(path)["version"] == 1
 

@@ -153,10 +153,9 @@ def test_one_process_windows_and_the_cpu_has_no_peak():
 
 
 def test_flops_given_per_step_on_a_cpu_warn_that_mfu_is_not_logged():
-    with pytest.warns(RuntimeWarning, match=r"logs no MFU") as caught:
-        with lite.throughput(window=1) as meter:
-            for _ in range(3):
-                meter.step(flops=5)
+    with pytest.warns(RuntimeWarning, match=r"logs no MFU") as caught, lite.throughput(window=1) as meter:
+        for _ in range(3):
+            meter.step(flops=5)
     assert len(caught) == 1  # once
 
 
@@ -177,9 +176,11 @@ def test_throughput_arguments_checked_at_once(kwargs, error, match):
 
 
 def test_step_counts_are_checked():
-    with lite.throughput() as meter:
-        with pytest.raises(ValueError, match=r"meter.step\(samples=-2\): samples must be a number >= 0"):
-            meter.step(samples=-2)
+    with (
+        lite.throughput() as meter,
+        pytest.raises(ValueError, match=r"meter.step\(samples=-2\): samples must be a number >= 0"),
+    ):
+        meter.step(samples=-2)
     with pytest.raises(RuntimeError, match="inside its"):
         meter.step()
 
@@ -213,8 +214,8 @@ def test_throughput_on_two_ranks_under_ddp_and_fsdp(script):
         for prefix, block in ("throughput/", "A B"), ("c/", "C"):
             expected = [w[0] for p, b, windows in METERS if b in block for w in windows]
             assert [step for step, m in calls if next(iter(m)).startswith(prefix)] == expected, (strategy, calls)
-        logged = dict((step, m) for step, m in calls if "throughput/time" in m)
-        logged_c = dict((step, m) for step, m in calls if "c/time" in m)
+        logged = {step: m for step, m in calls if "throughput/time" in m}
+        logged_c = {step: m for step, m in calls if "c/time" in m}
         for prefix, block, windows in METERS:
             total, time = 0, 0.0  # each meter's totals and time start at 0
             for step, steps, samples, ranks in windows:

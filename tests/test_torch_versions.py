@@ -22,16 +22,28 @@ REPO = Path(__file__).resolve().parent.parent
 
 # What `torch.distributed.fsdp` exports in torch 2.5.1 (its __all__): FSDP1 only.
 TORCH_2_5_FSDP = (
-    "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig", "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "OptimStateDictConfig", "OptimStateKeyType",
-    "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings",
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
     "StateDictType",
 )
 
 
 def test_fsdp_refuses_a_torch_older_than_the_floor_naming_the_version_it_needs():
     assert fsdp2_problem(torch.distributed.fsdp, torch.__version__) is None
-    older = types.SimpleNamespace(**{name: object for name in TORCH_2_5_FSDP})
+    older = types.SimpleNamespace(**dict.fromkeys(TORCH_2_5_FSDP, object))
     problem = fsdp2_problem(older, "2.5.1+cu124")
     assert problem is not None
     assert f"strategy='fsdp' needs torch>={FSDP2_TORCH}" in problem and "this is torch 2.5.1+cu124" in problem
@@ -54,4 +66,8 @@ def test_pyproject_readme_and_ci_state_the_same_tested_range():
     oldest, newest = re.search(r"Tested with torch ([0-9.]+) and ([0-9.]+)", readme).groups()
     ci_floor = _floor((REPO / ".ci" / "run").read_text(), r'FLOOR_TORCH="([0-9.]+)"')
     assert floor == FSDP2_TORCH and oldest == ci_floor and oldest.startswith(floor + ".")
-    assert newest == _floor(readme, r"pip install torch==([0-9.]+) -e") == _floor((REPO / ".ci" / "run").read_text(), r'"torch==([0-9.]+)"')
+    assert (
+        newest
+        == _floor(readme, r"pip install torch==([0-9.]+) -e")
+        == _floor((REPO / ".ci" / "run").read_text(), r'"torch==([0-9.]+)"')
+    )

@@ -30,11 +30,13 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import nanogpt  # noqa: E402
-from _common import NetWithMethods, assert_close, max_diff, micro_batch  # noqa: E402
+import nanogpt
+from _common import NetWithMethods, assert_close, max_diff, micro_batch
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])")
+needs_deepspeed = pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install scopedlite[deepspeed])"
+)
 WORLD, STEPS = 2, 3  # as in the script
 RUN_S = 150  # a launch of 2 ranks on 2 busy cores (DeepSpeed: its op is built before the tests)
 
@@ -179,5 +181,7 @@ def _check_gathering(seen: dict, strategy: str) -> None:
     assert refusal.startswith("MethodCalledOnSomeRanksError: GPT.generate() needs the parameters gathered"), refusal
     assert f"strategy={strategy!r}" in refusal and "only rank(s) [0] called it" in refusal, refusal
     assert "rank 1 went on to the model's forward" in refusal, refusal
-    assert seen["in_join"].startswith("Inside lite.join, GPT.generate() needs the model's parameters gathered"), seen["in_join"]
+    assert seen["in_join"].startswith("Inside lite.join, GPT.generate() needs the model's parameters gathered"), seen[
+        "in_join"
+    ]
     assert seen["same_after"]  # nothing was gathered: the ranks went on in step

@@ -19,12 +19,11 @@ import time
 import psutil
 import pytest
 
+from conftest import SCRIPTS, _env
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch.stall import WRITTEN_BYTES, Look, Progress, look_at
 from scopedlite._launch.watchdog import Limits
 from scopedlite._plan import resolve
-
-from conftest import SCRIPTS, _env
 
 SITE = "/venv/lib/python3.11/site-packages"
 USER = "/home/me/train.py"
@@ -39,7 +38,7 @@ def _stack_of(chain: list[tuple[str, str]]) -> tuple[Look, threading.Lock, threa
     inner = "there.set(); gate.acquire()"
     for level, (name, filename) in reversed(list(enumerate(chain))):
         code = f"def {name}():\n    {inner}\n"
-        exec(compile(code, filename, "exec"), namespace)  # noqa: S102 - a frame filed under that name
+        exec(compile(code, filename, "exec"), namespace)  # a frame filed under that name
         namespace[f"level{level}"] = namespace.pop(name)
         inner = f"level{level}()"
     thread = threading.Thread(target=namespace["level0"], daemon=True)

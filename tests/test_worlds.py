@@ -2,8 +2,9 @@
 
 Each test starts the real tool and is skipped, with the reason, where the tool is missing
 (CI installs them: see .ci/run). Where SLURM is installed (and we are root), a SLURM that does
-not start is a failure, not a skip: a broken start-up path must not pass as "not here". The scripts are the ones our own launcher runs, unchanged:
-launch finds the world in the environment and joins it.
+not start is a failure, not a skip: a broken start-up path must not pass as "not here". The
+scripts are the ones our own launcher runs, unchanged: launch finds the world in the environment
+and joins it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from conftest import SCRIPTS, _env
 
 sys.path.insert(0, str(SCRIPTS))
-from _common import assert_close, reference_training  # noqa: E402
+from _common import assert_close, reference_training
 
 
 def _free_port() -> int:
@@ -88,17 +89,40 @@ def test_two_torchrun_nodes_form_one_world_that_trains_like_one_process(tmp_path
     # agent, still polling the rendezvous, fails at shutdown with RendezvousConnectionError
     # (torch 2.13's elastic agent; the run itself is done by then): a race of torchrun's, not
     # of the run under test.
-    endpoint = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=130))
+    endpoint = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=130)
+    )
     procs = [
         subprocess.Popen(
             [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "worlds-test",
-                "--rdzv-conf", "is_host=false",
-                str(SCRIPTS / "train.py"), "ddp", "2", str(n), str(batch),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "worlds-test",
+                "--rdzv-conf",
+                "is_host=false",
+                str(SCRIPTS / "train.py"),
+                "ddp",
+                "2",
+                str(n),
+                str(batch),
             ],
-            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for node in (0, 1)
     ]
@@ -128,7 +152,11 @@ def test_mpirun_ranks_form_one_world(tmp_path):
             extra["MASTER_PORT"] = str(_free_port())
         proc = subprocess.run(
             [*mpirun, str(SCRIPTS / f"{name}.py"), *args],
-            env=env | extra, cwd=tmp_path, capture_output=True, text=True, timeout=100,
+            env=env | extra,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=100,
         )
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     _assert_joined(json.loads((tmp_path / "world.json").read_text()), "openmpi", 2)
@@ -142,7 +170,9 @@ SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "munged")
 def _slurm_missing() -> str | None:
     missing = [t for t in SLURM_TOOLS if shutil.which(t) is None and not os.path.exists(f"/usr/sbin/{t}")]
     if missing:
-        return f"SLURM not installed ({', '.join(missing)} missing; apt-get install slurmctld slurmd slurm-client munge)"
+        return (
+            f"SLURM not installed ({', '.join(missing)} missing; apt-get install slurmctld slurmd slurm-client munge)"
+        )
     if os.geteuid() != 0:
         return "starting slurmctld/slurmd needs root"
     return None
@@ -171,9 +201,18 @@ class Slurm:
         key.chmod(0o400)
         socket_path = d / "munge" / "munge.socket"
         subprocess.run(
-            [_tool("munged"), "--force", f"--key-file={key}", f"--socket={socket_path}",
-             f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munge' / 'seed'}"],
-            check=True, capture_output=True, timeout=20,
+            [
+                _tool("munged"),
+                "--force",
+                f"--key-file={key}",
+                f"--socket={socket_path}",
+                f"--pid-file={d / 'munged.pid'}",
+                f"--log-file={d / 'munged.log'}",
+                f"--seed-file={d / 'munge' / 'seed'}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=20,
         )
         node = subprocess.run([_tool("slurmd"), "-C"], capture_output=True, text=True, timeout=20, check=True)
         node_line = next(line for line in node.stdout.splitlines() if line.startswith("NodeName="))
@@ -208,11 +247,18 @@ class Slurm:
             )
         )
         for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([_tool(daemon), "-f", str(d / "slurm.conf")] + (["-c"] if daemon == "slurmctld" else []),
-                           check=True, capture_output=True, timeout=20, env=self.env)
+            subprocess.run(
+                [_tool(daemon), "-f", str(d / "slurm.conf")] + (["-c"] if daemon == "slurmctld" else []),
+                check=True,
+                capture_output=True,
+                timeout=20,
+                env=self.env,
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            out = subprocess.run([_tool("sinfo"), "-h", "-o", "%T"], capture_output=True, text=True, env=self.env, timeout=10)
+            out = subprocess.run(
+                [_tool("sinfo"), "-h", "-o", "%T"], capture_output=True, text=True, env=self.env, timeout=10
+            )
             if out.stdout.strip() == "idle":
                 return
             time.sleep(0.2)
@@ -266,7 +312,11 @@ def test_srun_tasks_form_one_world(slurm, tmp_path):
     for name, args in (("world", []), ("train", ["ddp", "2", str(n), str(batch)])):
         proc = subprocess.run(
             [*srun, str(SCRIPTS / f"{name}.py"), *args],
-            env=slurm.env | {"OUT": str(tmp_path / f"{name}.json")}, cwd=tmp_path, capture_output=True, text=True, timeout=100,
+            env=slurm.env | {"OUT": str(tmp_path / f"{name}.json")},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=100,
         )
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     _assert_joined(json.loads((tmp_path / "world.json").read_text()), "slurm", 2)
@@ -286,7 +336,10 @@ def test_sbatch_script_launches_its_own_ranks_before_srun(slurm, tmp_path):
     log = tmp_path / "job.log"
     submit = subprocess.run(
         [_tool("sbatch"), "--wait", "-N1", "-n2", "--overcommit", f"--output={log}", str(job)],
-        env=slurm.env, capture_output=True, text=True, timeout=100,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     text = log.read_text() if log.exists() else ""
     assert submit.returncode == 0, f"{submit.stdout}\n{submit.stderr}\n{text}"

@@ -33,7 +33,7 @@ from scopedlite._plan import resolve
 from scopedlite._strategies.xla.strategy import XLAStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from _common import assert_close, max_diff  # noqa: E402
+from _common import assert_close, max_diff
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "xla_checks.py"
 REPO = Path(__file__).resolve().parent.parent
@@ -165,7 +165,13 @@ def test_backward_before_torch_xla_is_explained(tmp_path):
     assert result["probed"] == {"CPU": [1, False], "TPU": [_tpu_chips(), False]}
 
 
-@pytest.mark.skipif(_tpu_chips() < 2, reason="needs a TPU: strategy='xla' with several processes binds one TPU chip per process, and XLA:CPU cannot run collectives across processes upstream")
+@pytest.mark.skipif(
+    _tpu_chips() < 2,
+    reason=(
+        "needs a TPU: strategy='xla' with several processes binds one TPU chip per process, "
+        "and XLA:CPU cannot run collectives across processes upstream"
+    ),
+)
 @pytest.mark.timeout(300)
 def test_multi_device_tpu(tmp_path):  # pragma: no cover - runs on TPU hosts only
     code = (
@@ -177,7 +183,14 @@ def test_multi_device_tpu(tmp_path):  # pragma: no cover - runs on TPU hosts onl
         "    lite.barrier()\n"
     )
     python = XLA_PYTHON or sys.executable
-    proc = subprocess.run([python, "-c", code], check=False, capture_output=True, text=True, timeout=240, env={**os.environ, "PJRT_DEVICE": "TPU"})
+    proc = subprocess.run(
+        [python, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PJRT_DEVICE": "TPU"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -268,7 +281,12 @@ def test_probing_the_machine_never_imports_torch_xla(tmp_path, monkeypatch, pjrt
 
 
 def test_tpu_chips_are_counted_on_the_pci_bus(tmp_path):
-    for name, vendor, device in (("a", "0x1ae0", "0x005e"), ("b", "0x1ae0", "0x005e"), ("c", "0x10de", "0x005e"), ("d", "0x1ae0", "0x0001")):
+    for name, vendor, device in (
+        ("a", "0x1ae0", "0x005e"),
+        ("b", "0x1ae0", "0x005e"),
+        ("c", "0x10de", "0x005e"),
+        ("d", "0x1ae0", "0x0001"),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "vendor").write_text(vendor + "\n")
         (tmp_path / name / "device").write_text(device + "\n")

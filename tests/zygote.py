@@ -55,9 +55,7 @@ class Zygote:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def run(
-        self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float, stdout: Path, stderr: Path
-    ) -> int:
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float, stdout: Path, stderr: Path) -> int:
         """Run ``python *argv`` (a script path first) in a fork; return its exit code as
         ``subprocess`` gives it (negative: killed by that signal).
 
@@ -97,7 +95,9 @@ class Zygote:
                 env.setdefault("DS_ACCELERATOR", "cpu")
             self._proc = subprocess.Popen(
                 [sys.executable, "-u", str(Path(__file__).resolve()), *self.preload],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,  # unbuffered: see _line
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,  # unbuffered: see _line
                 env=env,
             )
             if self._line(time.monotonic() + 120) != "ready":
@@ -161,9 +161,9 @@ def _serve(preload: list[str]) -> None:
     # What every script pays for before its first line of test: torch's optimizers import
     # torch._dynamo on construction; the distributed pieces each strategy uses.
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp
+    import torch.nn.parallel
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the line protocol with the tests
         for name in preload:

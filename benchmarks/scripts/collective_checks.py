@@ -21,9 +21,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from workload import write_result
 
 import scopedlite as lite
+from workload import write_result
 
 out, calls = sys.argv[1], int(sys.argv[2])
 

@@ -27,4 +27,7 @@ model, opt = fabric.setup(model, make_optimizer(model))
 loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True))
 times, cpu_times = train_timed(model, opt, loader, fabric.backward, warmup)
 if fabric.global_rank == 0:
-    write_result(out, {"step_s": times, "step_cpu_s": cpu_times, "threads": torch.get_num_threads(), "world_size": fabric.world_size})
+    write_result(
+        out,
+        {"step_s": times, "step_cpu_s": cpu_times, "threads": torch.get_num_threads(), "world_size": fabric.world_size},
+    )

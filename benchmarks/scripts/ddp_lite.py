@@ -22,4 +22,12 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu") as run:
     loader = lite.setup_dataloader(torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True))
     times, cpu_times = train_timed(model, opt, loader, lite.backward, warmup)
     if run.is_global_zero:
-        write_result(out, {"step_s": times, "step_cpu_s": cpu_times, "threads": torch.get_num_threads(), "world_size": run.world_size})
+        write_result(
+            out,
+            {
+                "step_s": times,
+                "step_cpu_s": cpu_times,
+                "threads": torch.get_num_threads(),
+                "world_size": run.world_size,
+            },
+        )

@@ -26,5 +26,7 @@ sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffl
 loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 times, cpu_times = train_timed(model, opt, loader, lambda loss: loss.backward(), warmup)
 if rank == 0:
-    write_result(out, {"step_s": times, "step_cpu_s": cpu_times, "threads": torch.get_num_threads(), "world_size": world_size})
+    write_result(
+        out, {"step_s": times, "step_cpu_s": cpu_times, "threads": torch.get_num_threads(), "world_size": world_size}
+    )
 dist.destroy_process_group()

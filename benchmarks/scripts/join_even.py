@@ -5,8 +5,9 @@ WARMUP + STEPS steps without join, one inside ``with lite.join(model):`` and, un
 (the default), one inside torch's own ``Join([model])`` (to tell torch's per-step cost of join
 mode apart from ours), then the same batches as a plain list (a loop whose length the join
 session does not know: a round every step) without join and inside ``lite.join``, the order
-rotating from block to block so slow drift of the machine hits all alike. Under ``fsdp`` or ``deepspeed_stage_3`` torch's ``Join`` has nothing to offer
-(it hangs on uneven data there), so only the first two modes run.
+rotating from block to block so slow drift of the machine hits all alike. Under ``fsdp`` or
+``deepspeed_stage_3`` torch's ``Join`` has nothing to offer (it hangs on uneven data there), so
+only the first two modes run.
 Rank 0 writes the step times of every block to OUT.
 """
 

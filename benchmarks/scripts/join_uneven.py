@@ -21,7 +21,13 @@ from torch.distributed.algorithms.join import Join
 import scopedlite as lite
 from workload import make_dataset, make_model, make_optimizer, write_result
 
-out, samples, batch, epochs, devices = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+out, samples, batch, epochs, devices = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    int(sys.argv[4]),
+    int(sys.argv[5]),
+)
 MODES = ("padded", "join", "torch_join")
 
 

@@ -30,7 +30,10 @@ def stamp(phase: str, at: float | None = None) -> None:
         f.write(f"{phase} {at if at is not None else time.time()!r}\n")
 
 
-stamp("role " + ("launcher" if mode in ("script", "fork", "agent") and "SCOPEDLITE_LAUNCH_TOKEN" not in os.environ else "worker"))
+stamp(
+    "role "
+    + ("launcher" if mode in ("script", "fork", "agent") and "SCOPEDLITE_LAUNCH_TOKEN" not in os.environ else "worker")
+)
 stamp("start", _T0)
 if mode == "fork":  # a forked worker's first moment of its own (what came before is the parent's)
     os.register_at_fork(after_in_child=lambda: (stamp("role worker"), stamp("start")))
@@ -41,8 +44,8 @@ import torch.distributed as dist  # noqa: E402
 stamp("torch")
 
 
-def _stamped(function, phase: str):  # noqa: ANN001, ANN202 - a thin timing wrapper
-    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+def _stamped(function, phase: str):  # a thin timing wrapper
+    def wrapper(*args, **kwargs):
         result = function(*args, **kwargs)
         stamp(phase)
         return result
@@ -62,7 +65,7 @@ if mode == "agent":
     sys.exit(0)
 
 
-def body(barrier, backward) -> None:  # noqa: ANN001 - the same steps under both APIs
+def body(barrier, backward) -> None:  # the same steps under both APIs
     barrier()
     stamp("barrier")
     backward()

@@ -45,7 +45,13 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu") as run:
     # would run a zero step at every save to make a state, its slow path for a stateless
     # optimizer under fsdp, ~0.1 s here)
     state = {"model": model, "step": 0}
-    record: dict[str, list[float]] = {"blocking": [], "background": [], "wait": [], "plain_steps": [], "writing_steps": []}
+    record: dict[str, list[float]] = {
+        "blocking": [],
+        "background": [],
+        "wait": [],
+        "plain_steps": [],
+        "writing_steps": [],
+    }
 
     def step(times: list[float] | None, handle: lite.SaveHandle | None = None) -> bool:
         start = time.perf_counter()
@@ -98,7 +104,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu") as run:
     first = background()
     record["blocking"].clear()
     for r in range(rounds):
-        for mode in (("blocking", "background") if r % 2 == 0 else ("background", "blocking")):
+        for mode in ("blocking", "background") if r % 2 == 0 else ("background", "blocking"):
             blocking() if mode == "blocking" else background(record)
             for _ in range(2):
                 step(record["plain_steps"])

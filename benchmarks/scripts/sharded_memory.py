@@ -15,9 +15,9 @@ import os
 import sys
 
 import torch
-from workload import write_result
 
 import scopedlite as lite
+from workload import write_result
 
 strategy, out = sys.argv[1], sys.argv[2]
 # "control": one tiny layer, to tell the model's memory from what the machinery costs itself
@@ -71,5 +71,13 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=120) a
     rows = lite.all_gather(torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64))
     ranks = [{"rank": r, **{k: int(v) for k, v in zip(keys, row.tolist())}} for r, row in enumerate(rows)]
     if run.global_rank == 0:
-        full = sum(p.numel() for p in torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, device="meta") for _ in range(LAYERS)]).parameters()) * 4
+        full = (
+            sum(
+                p.numel()
+                for p in torch.nn.Sequential(
+                    *[torch.nn.Linear(WIDTH, WIDTH, device="meta") for _ in range(LAYERS)]
+                ).parameters()
+            )
+            * 4
+        )
         write_result(out, {"strategy": strategy, "full_bytes": full, "ranks": ranks})

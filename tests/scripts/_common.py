@@ -67,7 +67,9 @@ def _leaves(got: Any, expected: Any, what: str) -> Iterator[tuple[str, float, fl
             yield from _leaves(g, e, f"{what}[{i}]")
         return
     assert isinstance(got, (int, float)) and not isinstance(got, bool), f"{what}: got {got!r}, expected a number"
-    assert isinstance(expected, (int, float)) and not isinstance(expected, bool), f"{what}: the reference is {expected!r}, not a number"
+    assert isinstance(expected, (int, float)) and not isinstance(expected, bool), (
+        f"{what}: the reference is {expected!r}, not a number"
+    )
     yield what, got, expected
 
 

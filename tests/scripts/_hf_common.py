@@ -21,12 +21,27 @@ def config(kind: str):
 
     if kind == "gpt2":  # dropout off: strategies and ranks then compute the same
         return GPT2Config(
-            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
         )
     return LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -60,7 +75,13 @@ def reference(kind: str, world_size: int = 2) -> tuple[torch.nn.Module, list[flo
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = tokens()
-    per_rank = [[list(range(r, N_ITEMS, world_size))[i : i + BATCH] for i in range(0, len(range(r, N_ITEMS, world_size)), BATCH)] for r in range(world_size)]
+    per_rank = [
+        [
+            list(range(r, N_ITEMS, world_size))[i : i + BATCH]
+            for i in range(0, len(range(r, N_ITEMS, world_size)), BATCH)
+        ]
+        for r in range(world_size)
+    ]
     losses = []
     for _ in range(EPOCHS):
         for step in range(max(len(b) for b in per_rank)):

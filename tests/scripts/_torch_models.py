@@ -64,7 +64,9 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     if kind == "small":
         return nn.Linear(DIM, DIM, bias=False)
     if kind == "conv":
-        return nn.Sequential(nn.Conv2d(1, 20, 3), nn.ReLU(), nn.Conv2d(20, 32, 3), nn.ReLU(), nn.Conv2d(32, 16, 5), nn.ReLU())
+        return nn.Sequential(
+            nn.Conv2d(1, 20, 3), nn.ReLU(), nn.Conv2d(20, 32, 3), nn.ReLU(), nn.Conv2d(32, 16, 5), nn.ReLU()
+        )
     if kind == "bn":
         return BatchNormNet()
     if kind == "unused_unjoined":  # the rank that does not join early has unused parameters
@@ -137,17 +139,18 @@ def mappings(world: int) -> list[dict[int, int]]:
     return found
 
 
-
 def scenarios(suite: str, strategy: str, world: int) -> list[dict[str, Any]]:
     """Every scenario of a suite, in the order the script runs them."""
     cases: list[dict[str, Any]] = []
     if suite == "torch":
         # torch: each model with no_sync never, and every (i + 2)-th iteration synced for model i;
         # here every model with intervals 1, 2 and 3.
-        for n, (kind, interval, mapping) in enumerate(itertools.product(
-            ["small", "conv", "bn", "unused_unjoined", "unused_joined"], [1, 2, 3], mappings(world)
-        )):
-            cases.append({"run": "uneven", "model": kind, "interval": interval, "mapping": mapping, "loader": n % 2 == 0})
+        for n, (kind, interval, mapping) in enumerate(
+            itertools.product(["small", "conv", "bn", "unused_unjoined", "unused_joined"], [1, 2, 3], mappings(world))
+        ):
+            cases.append(
+                {"run": "uneven", "model": kind, "interval": interval, "mapping": mapping, "loader": n % 2 == 0}
+            )
         for divide, loader in itertools.product([False, True], [False, True]):
             cases.append({"run": "grad_div", "divide": divide, "loader": loader})
         cases += [{"run": "equivalence", "loader": loader} for loader in (False, True)]
@@ -157,16 +160,74 @@ def scenarios(suite: str, strategy: str, world: int) -> list[dict[str, Any]]:
     two = {0: 2, 1: 5} if world == 2 else {0: 2, 1: 4, 2: 5}
     zero = {0: 0, 1: 3} if world == 2 else {0: 0, 1: 3, 2: 5}
     for n, (kind, window, mapping) in enumerate(itertools.product(["mlp", "bn_mlp"], [1, 2, 3], [two, zero])):
-        cases.append({"run": "train", "model": kind, "window": window, "mapping": mapping, "divide": True, "clip": "", "optimizer": "sgd", "loader": n % 2 == 0})
-    cases.append({"run": "train", "model": "mlp", "window": 1, "mapping": two, "divide": False, "clip": "", "optimizer": "adamw", "loader": True})
-    cases.append({"run": "train", "model": "mlp", "window": 1, "mapping": zero, "divide": False, "clip": "", "optimizer": "sgd", "loader": False})
-    cases.append({"run": "train", "model": "mlp", "window": 1, "mapping": two, "divide": True, "clip": "norm", "optimizer": "adamw", "loader": True})
-    cases.append({"run": "train", "model": "mlp", "window": 2, "mapping": zero, "divide": True, "clip": "value", "optimizer": "sgd", "loader": False})
+        cases.append(
+            {
+                "run": "train",
+                "model": kind,
+                "window": window,
+                "mapping": mapping,
+                "divide": True,
+                "clip": "",
+                "optimizer": "sgd",
+                "loader": n % 2 == 0,
+            }
+        )
+    cases.append(
+        {
+            "run": "train",
+            "model": "mlp",
+            "window": 1,
+            "mapping": two,
+            "divide": False,
+            "clip": "",
+            "optimizer": "adamw",
+            "loader": True,
+        }
+    )
+    cases.append(
+        {
+            "run": "train",
+            "model": "mlp",
+            "window": 1,
+            "mapping": zero,
+            "divide": False,
+            "clip": "",
+            "optimizer": "sgd",
+            "loader": False,
+        }
+    )
+    cases.append(
+        {
+            "run": "train",
+            "model": "mlp",
+            "window": 1,
+            "mapping": two,
+            "divide": True,
+            "clip": "norm",
+            "optimizer": "adamw",
+            "loader": True,
+        }
+    )
+    cases.append(
+        {
+            "run": "train",
+            "model": "mlp",
+            "window": 2,
+            "mapping": zero,
+            "divide": True,
+            "clip": "value",
+            "optimizer": "sgd",
+            "loader": False,
+        }
+    )
     cases.append({"run": "eval"})
     if strategy != "ddp":  # ddp runs these in the torch suite
         cases.append({"run": "equivalence", "loader": True})
         if strategy == "fsdp":  # deepspeed's engine owns the gradients
-            cases += [{"run": "grad_div", "divide": False, "loader": True}, {"run": "grad_div", "divide": True, "loader": False}]
+            cases += [
+                {"run": "grad_div", "divide": False, "loader": True},
+                {"run": "grad_div", "divide": True, "loader": False},
+            ]
     return cases
 
 
@@ -196,7 +257,7 @@ def reference_uneven(case: dict[str, Any], world: int) -> dict[str, Any]:
             grads[r] = [p.grad for p in models[r].parameters()]
         if sync:
             averaged = []
-            for k, p in enumerate(models[active[0]].parameters()):
+            for k in range(len(grads[active[0]])):
                 contributions = [grads[r][k] for r in active if grads[r][k] is not None]
                 averaged.append(sum(contributions) / world if contributions else None)
             for r in active:
@@ -299,7 +360,12 @@ def reference_train(case: dict[str, Any], world: int, ddp: bool) -> list[dict[st
     lr = opt.param_groups[0]["lr"]
     moments = _moments(opt)
     return [
-        {"params": _state(model)["params"], "buffers": _state(replicas[last if ddp else r])["buffers"], "lr": lr, "moments": moments}
+        {
+            "params": _state(model)["params"],
+            "buffers": _state(replicas[last if ddp else r])["buffers"],
+            "lr": lr,
+            "moments": moments,
+        }
         for r in range(world)
     ]
 
@@ -307,7 +373,9 @@ def reference_train(case: dict[str, Any], world: int, ddp: bool) -> list[dict[st
 def _moments(opt: torch.optim.Optimizer) -> list[list[float]]:
     """The optimizer's state tensors (momentum, AdamW's moments; not the step counts), as
     join_torch_suite.py reports a ddp rank's."""
-    return [t.flatten().tolist() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    return [
+        t.flatten().tolist() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0
+    ]
 
 
 def _state(model: nn.Module) -> dict[str, Any]:

@@ -33,12 +33,13 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
-from _common import write
-from _moves_common import BATCH, Big, make_data, make_net, make_optimizer, sampler
 
 import scopedlite as lite
+from _common import write
+from _moves_common import BATCH, Big, make_data, make_net, make_optimizer, sampler
 
 folder, launches = sys.argv[1], json.loads(sys.argv[2])
 
@@ -102,7 +103,11 @@ def mid_load(name):
     model, opt, loader = setup(seed=1)
     state = {"model": model, "opt": opt, "loader": loader, "step": 0}
     lite.load(os.path.join(folder, name), state)
-    return {"rest_of_epoch": train_epoch(model, opt, loader), "next_epoch": train_epoch(model, opt, loader), "step": state["step"]}
+    return {
+        "rest_of_epoch": train_epoch(model, opt, loader),
+        "next_epoch": train_epoch(model, opt, loader),
+        "step": state["step"],
+    }
 
 
 def load(name):
@@ -138,7 +143,7 @@ def big_save(name):
 
 
 def memory():
-    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024
 
 
@@ -270,6 +275,8 @@ for strategy, devices, jobs in launches:
         done = {}
         for job in jobs:
             kind, name = job.split(":")
-            done[job] = JOBS[kind](name, strategy) if kind in ("save", "async", "inflight", "midsave") else JOBS[kind](name)
+            done[job] = (
+                JOBS[kind](name, strategy) if kind in ("save", "async", "inflight", "midsave") else JOBS[kind](name)
+            )
         results.append({"strategy": strategy, "world_size": run.world_size, "jobs": done})
 write(results)  # only the main process (rank 0) gets here: the others leave at the end of the block

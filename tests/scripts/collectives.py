@@ -111,7 +111,7 @@ def metrics_over_loader(run):
             steps.append(got["ids"].tolist())
             counts.append(lite.gather_for_metrics(len(ids)).tolist())
             mine.append(ids)
-            ok = torch.equal(got["x"].cpu(), data.tensors[0][[int((IDS == i).nonzero()) for i in got["ids"]]])
+            ok = torch.equal(got["x"].cpu(), data.tensors[0][[int((i == IDS).nonzero()) for i in got["ids"]]])
             steps[-1].append(ok)
         after = lite.gather_for_metrics(torch.cat(mine)).tolist()
     return {"padded": padded, "steps": steps, "counts": counts, "after": after, "ids": IDS.tolist()}

@@ -14,7 +14,6 @@ import weakref
 import numpy as np
 import torch
 import torch.distributed as dist
-from _common import write
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -25,6 +24,7 @@ from torch.utils.data import (
 )
 
 import scopedlite as lite
+from _common import write
 
 N = 11  # uneven on 2 and on 3 ranks
 devices = int(sys.argv[1])
@@ -131,13 +131,16 @@ def read(make, rebuild=False, before=None):
 CASES = {
     "plain": lambda: DataLoader(Indexed(), batch_size=2),
     "shuffle": lambda: DataLoader(Indexed(), batch_size=2, shuffle=True),
-    "distributed": lambda: DataLoader(Indexed(), batch_size=2, sampler=DistributedSampler(Indexed(), shuffle=True, seed=5)),
+    "distributed": lambda: DataLoader(
+        Indexed(), batch_size=2, sampler=DistributedSampler(Indexed(), shuffle=True, seed=5)
+    ),
     "batch_sampler": lambda: DataLoader(Indexed(), batch_sampler=BatchSampler(PythonShuffle(N), 3, False)),
     "custom_batches": lambda: DataLoader(Indexed(), batch_sampler=ShuffledBatches()),
     "subset": lambda: DataLoader(Indexed(), batch_size=2, sampler=SubsetRandomSampler([i for i in range(N) if i != 4])),
     "by_epoch": lambda: DataLoader(Indexed(), batch_size=None, sampler=ByEpoch(N)),
     "workers": lambda: DataLoader(Indexed(), batch_size=2, shuffle=True, num_workers=2),
 }
+
 
 def payloads_freed_by():
     """Which threads free the tensors handed to torch.distributed: ours (lite's collectives,
@@ -180,7 +183,7 @@ def payloads_freed_by():
         for i in range(40):  # past what the library holds: all of ours above are freed by now
             lite.all_reduce(torch.tensor([float(i)]))
         whose[0] = "raw"
-        for i in range(100):
+        for _ in range(100):
             dist.all_reduce(torch.ones(4))
         time.sleep(0.2)  # gloo's threads let go of the last ones
     finally:
@@ -195,7 +198,9 @@ with lite.launch(strategy="ddp", devices=devices, accelerator="cpu", timeout=60)
     record["rebuilt"] = read(lambda: DataLoader(shared, batch_size=2, shuffle=True), rebuild=True)
     # torchrun style, resumed at epoch 20: the script sets its own sampler's epoch every pass
     resumed = DistributedSampler(Indexed(), shuffle=True, seed=5)
-    record["resumed"] = read(lambda: DataLoader(Indexed(), batch_size=2, sampler=resumed), before=lambda p: resumed.set_epoch(20 + p))
+    record["resumed"] = read(
+        lambda: DataLoader(Indexed(), batch_size=2, sampler=resumed), before=lambda p: resumed.set_epoch(20 + p)
+    )
 
     # pytorch/examples' DDP tutorial: one batch peeked at (next(iter(loader))), then
     # sampler.set_epoch(epoch) each epoch, on the user's sampler or on ours (loader.sampler)

@@ -10,9 +10,9 @@ import os
 import sys
 
 import torch
-from _common import make_data, make_model, write
 
 import scopedlite as lite
+from _common import make_data, make_model, write
 
 strategy, n, batch_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 precision = sys.argv[4] if len(sys.argv) > 4 else "32-true"
@@ -28,7 +28,6 @@ if accumulate:
         config={"gradient_accumulation_steps": 2},
     )
     batch_size //= 2
-
 
 
 def resume_mid_epoch(path):
@@ -96,7 +95,9 @@ def join_refusals(rank):
 
     def two_forwards():  # one loss from two forwards: a joined rank cannot replay it
         with lite.join(model):
-            lite.backward(torch.nn.functional.mse_loss(model(x[:1]), y[:1]) + torch.nn.functional.mse_loss(model(x[1:]), y[1:]))
+            lite.backward(
+                torch.nn.functional.mse_loss(model(x[:1]), y[:1]) + torch.nn.functional.mse_loss(model(x[1:]), y[1:])
+            )
 
     def refused(fn):
         try:
@@ -149,7 +150,9 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", precision=prec
         "broadcast": lite.broadcast({"rank": run.global_rank}, src=1),
         "param_dtype": str(next(inner.parameters()).dtype),
     }
-    if precision == "32-true" and not accumulate:  # one more check per stage (ZeRO-3's refusals: join_replay_refusals.py)
+    if (
+        precision == "32-true" and not accumulate
+    ):  # one more check per stage (ZeRO-3's refusals: join_replay_refusals.py)
         if result["stage"] >= 2:
             result["resume"] = resume_mid_epoch(os.environ["OUT"] + ".ckpt")
         if result["stage"] <= 2:

@@ -44,14 +44,13 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
 
     with lite.sharded_init():
         model = make_wide()
-    shards = [
-        {"full": p.ds_numel, "local": p.ds_tensor.numel(), "materialised": p.numel()}
-        for p in model.parameters()
-    ]
+    shards = [{"full": p.ds_numel, "local": p.ds_tensor.numel(), "materialised": p.numel()} for p in model.parameters()]
     # "32-true" builds float32 shards on every rank, whatever fp16 support DeepSpeed's CPU
     # accelerator reports on this machine (zero.Init ignores an explicit dtype where it
     # reports none, and built bfloat16 shards there).
-    local_dtypes = sorted({str(p.dtype) for p in model.parameters()} | {str(p.ds_tensor.dtype) for p in model.parameters()})
+    local_dtypes = sorted(
+        {str(p.dtype) for p in model.parameters()} | {str(p.ds_tensor.dtype) for p in model.parameters()}
+    )
     all_dtypes = lite.all_gather(torch.tensor([len(local_dtypes) == 1 and local_dtypes[0] == "torch.float32"]))
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         built = [p.detach().flatten().tolist() for p in model.parameters()]
@@ -114,6 +113,7 @@ with lite.launch(strategy="deepspeed_stage_3", devices=2, accelerator="cpu", tim
         "float32_on_every_rank": all_dtypes.flatten().tolist(),
     }
     result = lite.broadcast(result, src=0)
+
 
 # After the block, once, in the main process: the environment is as it was (DeepSpeed reads
 # RANK, LOCAL_RANK, ... which the strategy set for the run), and one fp32 state dict.

@@ -8,10 +8,10 @@ PYTHONUNBUFFERED=1, where print writes the text and the newline separately).
 """
 
 import torch
-from _common import write
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import scopedlite as lite
+from _common import write
 
 SEED, LINES = 11, 300
 
@@ -48,14 +48,18 @@ TRAIN = Rows(13)  # shared by both blocks
 
 
 def flat(loader):
-    return [int(i) for batch in loader for i in (batch.flatten().tolist() if isinstance(batch, torch.Tensor) else [batch])]
+    return [
+        int(i) for batch in loader for i in (batch.flatten().tolist() if isinstance(batch, torch.Tensor) else [batch])
+    ]
 
 
 def body(run):
     lite.seed_everything(SEED)
     val_set = Rows(7)
     train = lite.setup_dataloader(DataLoader(TRAIN, batch_size=2, shuffle=True))
-    val = lite.setup_dataloader(DataLoader(val_set, batch_size=3, sampler=DistributedSampler(val_set, shuffle=True, seed=3)))
+    val = lite.setup_dataloader(
+        DataLoader(val_set, batch_size=3, sampler=DistributedSampler(val_set, shuffle=True, seed=3))
+    )
     record = {"train": [], "val": []}
     for _ in range(3):  # train and validation in turn, as a training script does
         record["train"].append(flat(train))
@@ -63,7 +67,9 @@ def body(run):
 
     # set up after other loaders' passes: each starts at epoch 0
     late_set = Rows(9)
-    late = lite.setup_dataloader(DataLoader(late_set, batch_size=2, sampler=DistributedSampler(late_set, shuffle=True, seed=1)))
+    late = lite.setup_dataloader(
+        DataLoader(late_set, batch_size=2, sampler=DistributedSampler(late_set, shuffle=True, seed=1))
+    )
     aware = EpochAware(6)
     aware_loader = lite.setup_dataloader(DataLoader(Rows(6), batch_size=None, sampler=aware))
     record["late"] = [flat(late), flat(late)]

@@ -18,9 +18,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import make_data, make_model
 
 import scopedlite as lite
+from _common import make_data, make_model
 
 N, BATCH = 9, 2
 
@@ -44,7 +44,9 @@ def full_params(model: torch.nn.Module, strategy: str) -> list[list[float]]:
 
         with deepspeed.zero.GatheredParameters(list(inner.parameters())):
             return [p.detach().float().flatten().tolist() for p in inner.parameters()]
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in inner.parameters()]
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in inner.parameters()
+    ]
 
 
 def loop(strategy: str, out_dir: str) -> None:

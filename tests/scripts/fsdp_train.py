@@ -54,9 +54,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", precision=prec
     out["initial"] = params(unwrapped)
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     out["local_numel"] = lite.all_gather(torch.tensor(sum(t.numel() for t in local))).tolist()
-    out["local_bytes"] = lite.all_gather(
-        torch.tensor(sum(t.untyped_storage().nbytes() for t in local))
-    ).tolist()
+    out["local_bytes"] = lite.all_gather(torch.tensor(sum(t.untyped_storage().nbytes() for t in local))).tolist()
     out["total_numel"] = sum(full(p).numel() for p in model.parameters())
     out["opt_points_at_model"] = all(
         any(q is p for q in model.parameters()) for g in opt.param_groups for p in g["params"]

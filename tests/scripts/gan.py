@@ -14,10 +14,10 @@ from __future__ import annotations
 import sys
 
 import torch
-from _common import write
-from _gan_common import PATTERNS, batch, build, flat, train
 
 import scopedlite as lite
+from _common import write
+from _gan_common import PATTERNS, batch, build, flat, train
 
 strategy = sys.argv[1]
 devices = 1 if strategy == "single" else 2

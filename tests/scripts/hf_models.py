@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 import scopedlite as lite
-from scopedlite._io.pretrained import PretrainedWeights
 from _common import write
 from _hf_common import BATCH, EPOCHS, LR, SmallNet, build, compile_data, generate, quiet, tokens
+from scopedlite._io.pretrained import PretrainedWeights
 
 strategy, folder = sys.argv[1], Path(sys.argv[2])
 

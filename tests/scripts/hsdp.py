@@ -2,16 +2,16 @@
 
 One launch: ``sharded_init`` and the DDP user's set-up line, training with accumulation under
 ``lite.no_backward_sync`` and clipping (each backward's reducing collectives counted), a
-forward on rank 0 alone (refused), then ``lite.join`` over uneven data (ranks with 3, 1, 0 and 2 batches) dividing by the initial and
-by the running world size. Rank 0 writes every rank's record; tests/test_fsdp.py replays the
-recipe with plain torch in one process.
+forward on rank 0 alone (refused), then ``lite.join`` over uneven data (ranks with 3, 1, 0 and 2
+batches) dividing by the initial and by the running world size. Rank 0 writes every rank's
+record; tests/test_fsdp.py replays the recipe with plain torch in one process.
 """
 
 import torch
-from _common import from_every_rank, write
-from _fsdp_common import JOIN_BATCH, JOIN_CLIP, JOIN_SEED, join_rows, make_data, make_net, make_optimizer, train
 
 import scopedlite as lite
+from _common import from_every_rank, write
+from _fsdp_common import JOIN_BATCH, JOIN_CLIP, JOIN_SEED, join_rows, make_data, make_net, make_optimizer, train
 
 
 def full(p: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,10 @@ Rank 0 writes every rank's records; tests/test_join_generic.py computes what eac
 import sys
 
 import torch
-from _common import from_every_rank, write
-from _torch_models import _moments, build, make_optimizer, step_input
 
 import scopedlite as lite
+from _common import from_every_rank, write
+from _torch_models import _moments, build, make_optimizer, step_input
 
 BASE, OFFSET = 3, 1
 BEFORE, AFTER = 41, 42  # torch's constants for the post hooks

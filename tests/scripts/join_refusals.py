@@ -44,7 +44,10 @@ with lite.launch(
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for name, call in (
             ("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),  # as nanoGPT
-            ("total", lambda: torch.nn.utils.get_total_norm(tensors=[p.grad for p in model.parameters()])),  # by keyword
+            (
+                "total",
+                lambda: torch.nn.utils.get_total_norm(tensors=[p.grad for p in model.parameters()]),
+            ),  # by keyword
             ("full", lambda: next(model.parameters()).full_tensor()),
         ):
             try:

@@ -12,9 +12,9 @@ argv: strategy case
 import sys
 
 import torch
-from _common import make_model, write
 
 import scopedlite as lite
+from _common import make_model, write
 
 name, case = sys.argv[1], sys.argv[2]
 
@@ -27,7 +27,9 @@ def error(fn) -> str:
     return "not refused"
 
 
-with lite.launch(strategy=name, devices=2, accelerator="cpu", timeout=300) as run:  # a hang: the test's 90 s kill, long before
+with lite.launch(
+    strategy=name, devices=2, accelerator="cpu", timeout=300
+) as run:  # a hang: the test's 90 s kill, long before
     rank = run.global_rank
     model = make_model()
     model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -110,7 +112,13 @@ with lite.launch(strategy=name, devices=2, accelerator="cpu", timeout=300) as ru
         "out_of_data": left(1, "out_of_data"),
     }
 
-    cases = {"plain": plain, "lr_by_hand": lr_by_hand, "disagree": disagree, "plateau": plateau, "two_forwards": two_forwards}
+    cases = {
+        "plain": plain,
+        "lr_by_hand": lr_by_hand,
+        "disagree": disagree,
+        "plateau": plateau,
+        "two_forwards": two_forwards,
+    }
     cases["unknown_optimizer"] = unknown_optimizer
     errors = {key: error(fn) for key, fn in cases.items()}
     opt.zero_grad()

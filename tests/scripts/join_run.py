@@ -7,6 +7,7 @@ rounds of the join protocol ran over an even loader (``rounds_on_even_data``).
 """
 
 import sys
+from functools import partial
 
 import torch
 
@@ -94,22 +95,22 @@ def rounds_on_even_data(world_size):
     """The protocol's rounds in a join block while every rank has data, for 2 and for 5 steps:
     over a set-up loader (free when even, so as many for 5 steps as for 2) and over a plain
     list of the same batches ("list2", "list5": the rounds of a loop whose length nobody knows)."""
+
+    def block(model, opt, batches):
+        with lite.join(model):
+            for x, y in batches:
+                lite.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+
     counts = {}
     for steps in (2, 5):
         model = make_model()
         model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         loader = lite.setup_dataloader(torch.utils.data.DataLoader(make_data(2 * steps * world_size), batch_size=2))
         listed = list(loader)
-
-        def block(batches):
-            with lite.join(model):
-                for x, y in batches:
-                    lite.backward(torch.nn.functional.mse_loss(model(x), y))
-                    opt.step()
-                    opt.zero_grad()
-
-        counts[str(steps)] = gathers_during(lambda: block(loader))
-        counts[f"list{steps}"] = gathers_during(lambda: block(listed))
+        counts[str(steps)] = gathers_during(partial(block, model, opt, loader))
+        counts[f"list{steps}"] = gathers_during(partial(block, model, opt, listed))
     return counts
 
 

@@ -19,10 +19,10 @@ the block, and what the scenario checks along the way.
 import sys
 
 import torch
-from _torch_models import STEP, _moments, build, eval_data, example_input, make_optimizer, scenarios, step_input
 
 import scopedlite as lite
 from _common import from_every_rank, write
+from _torch_models import STEP, _moments, build, eval_data, example_input, make_optimizer, scenarios, step_input
 
 name, ranks, suite = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if sys.argv[4:] == ["nostep"]:  # a deliberately wrong replay: the test must notice
@@ -30,7 +30,9 @@ if sys.argv[4:] == ["nostep"]:  # a deliberately wrong replay: the test must not
     from scopedlite._strategies.join.message import Action
 
     original_apply = join_events.EventRecorder.apply
-    join_events.EventRecorder.apply = lambda self, event, rank: None if event.action == Action.OPTIMIZER_STEP else original_apply(self, event, rank)
+    join_events.EventRecorder.apply = lambda self, event, rank: (
+        None if event.action == Action.OPTIMIZER_STEP else original_apply(self, event, rank)
+    )
 
 if name == "fsdp":
     strategy = lite.FSDPStrategy()
@@ -71,7 +73,10 @@ def state(model):
         with deepspeed.zero.GatheredParameters(list(inner.parameters())):
             params = [p.detach().float().flatten().tolist() for p in inner.parameters()]
     else:
-        params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in inner.parameters()]
+        params = [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+            for p in inner.parameters()
+        ]
     return {"params": params, "buffers": [b.detach().double().flatten().tolist() for b in inner.buffers()]}
 
 
@@ -113,7 +118,9 @@ def run_grad_div(case, rank, world):
         for _ in iterations(n, case["loader"]):
             model(x).sum().backward()
             grad = next(iter(model.parameters())).grad
-            grads.append((grad.to_local() if hasattr(grad, "to_local") else grad).flatten().tolist())  # fsdp: this rank's shard
+            grads.append(
+                (grad.to_local() if hasattr(grad, "to_local") else grad).flatten().tolist()
+            )  # fsdp: this rank's shard
             model.zero_grad()
     return {"grads": grads, **state(model)}
 
@@ -202,7 +209,14 @@ def run_eval(case, rank, world):
     return {"metric": metric.tolist(), "batches": batches}
 
 
-RUNNERS = {"uneven": run_uneven, "grad_div": run_grad_div, "equivalence": run_equivalence, "even": run_even, "train": run_train, "eval": run_eval}
+RUNNERS = {
+    "uneven": run_uneven,
+    "grad_div": run_grad_div,
+    "equivalence": run_equivalence,
+    "even": run_even,
+    "train": run_train,
+    "eval": run_eval,
+}
 
 with lite.launch(strategy=strategy, devices=ranks, accelerator="cpu", timeout=60) as run:
     records = []

@@ -11,12 +11,12 @@ argv: strategy
 import sys
 
 import torch
-from _common import make_model, write
 
 import scopedlite as lite
+from _common import make_model, write
 
 totals = []
-for block in range(3):
+for _block in range(3):
     with lite.launch(strategy=sys.argv[1], devices=2, accelerator="cpu", launcher="fork", timeout=60) as run:
         net = make_model()
         model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))  # a worker drops the last ones

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import reductions_during, write
 
 import scopedlite as lite
+from _common import reductions_during, write
 from _model_parallel_common import (
     BATCH,
     JOIN_CLIP,

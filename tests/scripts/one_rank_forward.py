@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 
 import torch
-from _common import from_every_rank, make_data, make_model, write
 
 import scopedlite as lite
+from _common import from_every_rank, make_data, make_model, write
 
 STEPS, BATCH = 3, 8  # a global batch of 8 rows a step, 4 per rank
 

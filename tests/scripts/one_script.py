@@ -22,13 +22,14 @@ import gc
 import sys
 import warnings
 import weakref
+from functools import partial
 from pathlib import Path
 
 import torch
-from _common import reductions_during, write
-from _one_script_common import Net, WithConfig, build, global_batch, loss_of, probe, sgd
 
 import scopedlite as lite
+from _common import reductions_during, write
+from _one_script_common import Net, WithConfig, build, global_batch, loss_of, probe, sgd
 
 strategy, directory = sys.argv[1], Path(sys.argv[2])
 devices = 1 if strategy == "single" else 2
@@ -52,7 +53,10 @@ def flat(model: torch.nn.Module) -> dict[str, list[float]]:
 
 def grads(model: torch.nn.Module) -> list[list[float] | None]:
     """Each parameter's whole gradient (FSDP's gathered), in ``parameters()`` order."""
-    full = [None if p.grad is None else p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    full = [
+        None if p.grad is None else p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for p in model.parameters()
+    ]
     return [None if g is None else g.float().flatten().tolist() for g in full]
 
 
@@ -66,9 +70,9 @@ def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm
             half = len(x) // 2
             with lite.no_backward_sync(model):
                 loss = loss_of(model, x[:half], y[:half])
-                inside = reductions_during(lambda: lite.backward(loss))
+                inside = reductions_during(partial(lite.backward, loss))
             loss = loss_of(model, x[half:], y[half:])
-            after = reductions_during(lambda: lite.backward(loss))
+            after = reductions_during(partial(lite.backward, loss))
             if reductions is not None:
                 reductions.append([inside, after])
         else:
@@ -80,10 +84,6 @@ def train(model, opt, steps: int, start: int, accumulate: bool = False, max_norm
         opt.step()
         opt.zero_grad()
     return norms
-
-
-def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 result: dict = {"strategy": strategy}

@@ -46,11 +46,10 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
     # Uneven data inside join: rank 0 has 5 batches, rank 1 has 3, so rank 1 leaves the block
     # during its active cycle (steps 2..4) and still writes what it recorded.
     loader = [(data.tensors[0][i : i + 2], data.tensors[1][i : i + 2]) for i in range(5 if rank == 0 else 3)]
-    with lite.join(model):
-        with lite.profile("joined", wait=1, warmup=1, active=3) as prof:
-            for x, y in loader:
-                train_step(model, opt, x, y)
-                prof.step()
+    with lite.join(model), lite.profile("joined", wait=1, warmup=1, active=3) as prof:
+        for x, y in loader:
+            train_step(model, opt, x, y)
+            prof.step()
     record["joined"] = {"enabled": prof.enabled, "traces": [p.name for p in prof.traces]}
     everyone = from_every_rank(record)
     if rank == 0:

@@ -26,6 +26,7 @@ from ray.train.torch import TorchTrainer  # noqa: E402
 
 def train(config: dict) -> None:
     import torch.distributed as dist
+
     from existing_group import loop
 
     assert dist.is_initialized(), "Ray Train made no process group before the train function"

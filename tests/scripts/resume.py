@@ -26,9 +26,9 @@ import signal
 import sys
 
 import torch
-from _common import write
 
 import scopedlite as lite
+from _common import write
 
 strategy, devices, jobs = sys.argv[1], int(sys.argv[2]), [j.split(",") for j in sys.argv[3:]]
 EPOCHS, N = 3, 33
@@ -41,7 +41,9 @@ def build(workers, dropout=True):
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), middle, torch.nn.Linear(16, 1))
     model, opt = lite.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
     g = torch.Generator().manual_seed(3)
-    data = torch.utils.data.TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N)
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=workers)
     return model, opt, lite.setup_dataloader(loader)
 

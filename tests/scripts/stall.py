@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,11 +35,11 @@ try:
             lite.barrier()
             outcome["barrier_passed"] = True
         if mode == "sigterm" and run.is_global_zero:
-            open(f"{OUT}.ready", "w").close()  # the test sends SIGTERM now
+            Path(f"{OUT}.ready").touch()  # the test sends SIGTERM now
         if run.global_rank != 1:
             lite.all_reduce(torch.ones(2))  # rank 1 skipped it
 except BaseException as e:  # noqa: BLE001 - report whatever came out
     outcome.update(error=type(e).__name__, message=str(e))
-outcome["pids"] = [int(open(f"{OUT}.pid{rank}").read()) for rank in range(3)]
+outcome["pids"] = [int(Path(f"{OUT}.pid{rank}").read_text()) for rank in range(3)]
 with open(OUT, "w") as f:
     json.dump(outcome, f)

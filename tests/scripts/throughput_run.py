@@ -48,11 +48,10 @@ def blocks(strategy):
                 meter.step(samples=2)
 
         loader = lite.setup_dataloader(torch.utils.data.DataLoader(make_data(13), batch_size=2))
-        with lite.throughput(window=2, flops_per_sample=FLOPS, peak_flops=1e9) as meter:  # B
-            with lite.join(model):
-                for x, y in loader:
-                    train_step(model, opt, x, y)
-                    meter.step(samples=len(x), tokens=3 * len(x))
+        with lite.throughput(window=2, flops_per_sample=FLOPS, peak_flops=1e9) as meter, lite.join(model):  # B
+            for x, y in loader:
+                train_step(model, opt, x, y)
+                meter.step(samples=len(x), tokens=3 * len(x))
 
         even = lite.setup_dataloader(torch.utils.data.DataLoader(make_data(12), batch_size=2))
         with lite.throughput(window=2, prefix="c/") as meter:  # C

@@ -6,6 +6,7 @@ argv: strategy devices n batch_size [join]
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -36,17 +37,21 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
             steps += 1
     gathered = lite.all_gather(torch.tensor(params(model)[0]))
     per_rank = lite.broadcast({"steps": steps, "means": means, "locals": locals_}, src=0)
-    everyone = [lite.broadcast({"steps": steps, "means": means, "locals": locals_}, src=r) for r in range(run.world_size)]
+    everyone = [
+        lite.broadcast({"steps": steps, "means": means, "locals": locals_}, src=r) for r in range(run.world_size)
+    ]
     if run.is_global_zero:
-        write({
-            "params": params(lite.current().strategy.unwrap(model)),
-            "first_param_on_each_rank": gathered.tolist(),
-            "ranks": everyone,
-            "world_size": run.world_size,
-            "threads": threads,
-        })
+        write(
+            {
+                "params": params(lite.current().strategy.unwrap(model)),
+                "first_param_on_each_rank": gathered.tolist(),
+                "ranks": everyone,
+                "world_size": run.world_size,
+                "threads": threads,
+            }
+        )
 if run.is_global_zero:  # this process wrote (under mpirun or srun every rank's process gets here)
-    record = json.load(open(os.environ["OUT"]))
+    record = json.loads(Path(os.environ["OUT"]).read_text())
     record["threads_before"], record["threads_after"] = threads_before, torch.get_num_threads()
     record["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     record["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

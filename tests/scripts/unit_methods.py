@@ -5,9 +5,9 @@ argv: strategy ("ddp" or "fsdp", which wraps each Block)."""
 import sys
 
 import torch
-from _common import write
 
 import scopedlite as lite
+from _common import write
 
 
 class Block(torch.nn.Module):

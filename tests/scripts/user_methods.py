@@ -29,10 +29,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import nanogpt  # noqa: E402
-from _common import NetWithMethods, micro_batch, write  # noqa: E402
-
-import scopedlite as lite  # noqa: E402
+import nanogpt
+import scopedlite as lite
+from _common import NetWithMethods, micro_batch, write
 
 strategy = sys.argv[1]
 STEPS = 3
@@ -82,7 +81,12 @@ def ddp_phase(phase: str, run: lite.Run) -> dict:
         if phase == "all" or (phase == "rank0" and run.is_global_zero):
             counted.append(model.num_params())
             model.score(probe)  # a forward with gradients on, never back-propagated
-    return {"params": full_state(model), "same": same_on_every_rank(model), "all_reduces": per_micro, "counted": counted}
+    return {
+        "params": full_state(model),
+        "same": same_on_every_rank(model),
+        "all_reduces": per_micro,
+        "counted": counted,
+    }
 
 
 def ddp_backward_of_a_method_in_join(run: lite.Run) -> dict:

@@ -9,9 +9,9 @@ import os
 
 import psutil
 import torch
-from _common import write
 
 import scopedlite as lite
+from _common import write
 from scopedlite._cluster.environments import detect_world
 from scopedlite._comm.distributed import _let_go_at_exit
 

@@ -84,7 +84,14 @@ def mode_train(checkpoint: str) -> dict:
     xla = train("tpu")
     bf16 = train("xla", "bf16-true")
     feed = feed_checks(checkpoint)
-    return {"plain": plain_torch(), "cpu": train("cpu"), "xla": xla, "bf16": bf16, "bf16_mixed": autocast_dtypes(), "feed": feed}
+    return {
+        "plain": plain_torch(),
+        "cpu": train("cpu"),
+        "xla": xla,
+        "bf16": bf16,
+        "bf16_mixed": autocast_dtypes(),
+        "feed": feed,
+    }
 
 
 class Recorded(torch.utils.data.Dataset):
