@@ -19,16 +19,11 @@ the loop is matched against one of Join's own (a wrong value, then an abort).
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
-import os
-import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.debug import PACKAGE_DIR
 from scopedlite._comm.payloads import keep
 from scopedlite._comm.replicas import one_per_replica
 from scopedlite._comm.wire import (
@@ -51,8 +46,6 @@ __all__ = [
     "NoJoin",
     "PEER_LEFT",
     "PeerLeftJoinError",
-    "refuse_distributed_norms",
-    "refuse_raw_collectives",
 ]
 
 _TENSOR, _BYTES = 1, 2
@@ -182,185 +175,3 @@ def _describe_tensor(tensor: torch.Tensor) -> tuple[int, tuple[int, ...]]:
             f"Collectives inside lite.join take tensors of at most {MAX_DIMS} dimensions, got {tensor.dim()}."
         )
     return DTYPES.index(tensor.dtype), tuple(tensor.shape)
-
-
-# torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
-_RAW_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-)
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-# DeepSpeed's engine talks to torch.distributed from its own files (deepspeed.comm); found
-# without importing it.
-_DEEPSPEED_SPEC = importlib.util.find_spec("deepspeed")
-_DEEPSPEED_DIR = (
-    os.path.dirname(os.path.abspath(_DEEPSPEED_SPEC.origin)) + os.sep
-    if _DEEPSPEED_SPEC is not None and _DEEPSPEED_SPEC.origin
-    else _TORCH_DIR
-)
-# The scopedlite package (this file is in scopedlite/_strategies/).
-_EQUIVALENT = {
-    "all_reduce": "all_reduce",
-    "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_single": "all_gather",
-    "all_gather_object": "all_gather",
-    "broadcast": "broadcast",
-    "broadcast_object_list": "broadcast",
-    "barrier": "barrier",
-    "monitored_barrier": "barrier",
-}
-
-
-@contextlib.contextmanager
-def refuse_raw_collectives() -> Any:
-    """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
-    scopedlite raises at once instead of hanging.
-
-    The ranks that ran out of data serve the join session's rounds (``session.py``), which
-    replay the models' steps and answer our collectives only; a raw collective on an active
-    rank would wait for them until the timeout (30 minutes by default), silently. Calls from
-    torch's own code (DDP's gradient all-reduce, FSDP's gathers), DeepSpeed's and ours go
-    through as they are. Patched on the ``torch.distributed`` namespace for the block only;
-    code that imported the function itself beforehand is not covered.
-    """
-    saved = {}
-    for name in _RAW_COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is not None and not hasattr(original, "__scopedlite_join_guard__"):
-            saved[name] = original
-            setattr(dist, name, _guarded(name, original))
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
-
-
-# torch functions that reach every rank through DTensor (FSDP2, model_parallel) without a
-# torch.distributed call of their own: a gradient norm all-reduces over every rank.
-_NORMS = ("clip_grad_norm_", "get_total_norm")
-
-
-@contextlib.contextmanager
-def refuse_distributed_norms() -> Any:
-    """Inside ``lite.join``, ``torch.nn.utils.clip_grad_norm_`` (as nanoGPT writes it) and
-    ``get_total_norm`` over DTensor gradients, and ``DTensor.full_tensor()`` of a sharded
-    tensor, called from outside torch and scopedlite, raise at once instead of hanging: each
-    is a collective over every rank that the ranks which ran out of data cannot mirror (they
-    replay the models' steps and our calls only). Over plain tensors (ddp) a norm is local
-    and goes through. Patched on ``torch.nn.utils``, ``torch.nn.utils.clip_grad`` and
-    ``DTensor`` for the block only."""
-    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it
-    if tensor_module is None:
-        yield
-        return
-    dtensor = tensor_module.DTensor
-    saved: list[tuple[Any, str, Any]] = []
-    for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-        for name in _NORMS:
-            original = getattr(owner, name, None)
-            if original is not None and not hasattr(original, "__scopedlite_join_guard__"):
-                saved.append((owner, name, original))
-                setattr(owner, name, _guarded_norm(name, original, dtensor))
-    saved.append((dtensor, "full_tensor", dtensor.full_tensor))
-    dtensor.full_tensor = _guarded_full_tensor(dtensor.full_tensor)
-    try:
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
-
-def _user_caller() -> Any:
-    """The frame that called the guarded function, when it is outside torch, DeepSpeed and
-    scopedlite (their own calls are the join protocol's to keep in step); else None."""
-    caller = sys._getframe(2)
-    return (
-        None
-        if os.path.abspath(caller.f_code.co_filename).startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR))
-        else caller
-    )
-
-
-def _unmirrorable(call: str, caller: Any, fix: str) -> RuntimeError:
-    return RuntimeError(
-        f"{call} was called inside lite.join (at {caller.f_code.co_filename}:{caller.f_lineno}) "
-        "on DTensors (fsdp, model_parallel): it is a collective over every rank, and the ranks "
-        "that have run out of data have left the loop and cannot take part, so the ranks would "
-        f"wait for each other until launch(timeout=) ran out, silently. {fix}"
-    )
-
-
-def _guarded_norm(name: str, original: Any, dtensor: type) -> Any:
-    first = "tensors" if name == "get_total_norm" else "parameters"  # torch's name for it
-
-    @functools.wraps(original)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if not args and first not in kwargs:
-            return original(*args, **kwargs)  # torch says what is missing
-        tensors = args[0] if args else kwargs.pop(first)
-        args = args[1:]
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # a generator: once
-        caller = _user_caller()
-        if caller is not None and any(isinstance(t if name == "get_total_norm" else t.grad, dtensor) for t in tensors):
-            raise _unmirrorable(
-                f"torch.nn.utils.{name}",
-                caller,
-                "Use lite.clip_gradients(model, optimizer, max_norm=...) inside the block: it "
-                "clips on every rank, the ones out of data too.",
-            )
-        return original(tensors, *args, **kwargs)
-
-    guarded.__scopedlite_join_guard__ = True  # type: ignore[attr-defined]
-    return guarded
-
-
-def _guarded_full_tensor(original: Any) -> Any:
-    @functools.wraps(original)
-    def full_tensor(self: Any, *args: Any, **kwargs: Any) -> Any:
-        caller = _user_caller()
-        if caller is not None and not all(p.is_replicate() for p in self.placements):
-            raise _unmirrorable("DTensor.full_tensor()", caller, "Gather it after the `with lite.join(...)` block.")
-        return original(self, *args, **kwargs)
-
-    return full_tensor
-
-
-def _guarded(name: str, original: Any) -> Any:
-    @functools.wraps(original)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1)
-        path = os.path.abspath(caller.f_code.co_filename)
-        if not path.startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR)):
-            ours = _EQUIVALENT.get(name)
-            instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
-            raise RuntimeError(
-                f"torch.distributed.{name} was called inside lite.join (at "
-                f"{caller.f_code.co_filename}:{caller.f_lineno}). The ranks that have run out of "
-                "data have left the loop and cannot take part, so the ranks would wait for each "
-                "other until launch(timeout=) ran out, silently. "
-                f"{instead[:1].upper() + instead[1:] if instead else ''}"
-                f"{'call' if ours else 'Call'} it after the `with lite.join(...)` block: for a "
-                "torchmetrics metric, `metric.update(...)` inside and `metric.compute()` after."
-            )
-        return original(*args, **kwargs)
-
-    guarded.__scopedlite_join_guard__ = True  # type: ignore[attr-defined]
-    return guarded

@@ -73,10 +73,9 @@ from scopedlite._strategies.join.collectives import (
     PEER_LEFT,
     JoinCollectives,
     PeerLeftJoinError,
-    refuse_distributed_norms,
-    refuse_raw_collectives,
 )
 from scopedlite._strategies.join.events import EventRecorder
+from scopedlite._strategies.join.guards import refuse_distributed_norms, refuse_raw_collectives
 from scopedlite._strategies.join.members import join_block
 from scopedlite._strategies.join.message import (
     LENGTH,
