@@ -44,10 +44,12 @@ def test_join_uneven(script, strategy, world, configs):
 
 def _check_free_when_even(rounds, world):
     """Over a set-up loader on even data, one round (an all-gather of every rank's step message) when the pass
-    begins and none per step: 5 steps cost what 2 do. Over a plain list, one round per step
-    (at its forward: none at its backward) and one at the end: 3 steps more cost 3 rounds
-    more. One device: no round at all."""
-    expected = {"2": 1, "5": 1, "list2": 3, "list5": 6} if world > 1 else dict.fromkeys(("2", "5", "list2", "list5"), 0)
+    begins and none per step: 5 steps cost what 2 do. Over a plain list, two rounds per step
+    (its forward's and its backward's, neither waited for while every rank runs) and one at
+    the end: 3 steps more cost 6 rounds more. One device: no round at all."""
+    expected = (
+        {"2": 1, "5": 1, "list2": 5, "list5": 11} if world > 1 else dict.fromkeys(("2", "5", "list2", "list5"), 0)
+    )
     for rank, counts in enumerate(rounds):
         assert counts == expected, f"rank {rank}: all-gathers {counts}"
 
@@ -182,8 +184,9 @@ def test_a_rank_leaving_join_by_an_exception_makes_the_others_raise_in_step(scri
     assert rank1["1"].startswith("PeerLeftJoinError: Another rank left lite.join by an exception")
     # the abort round kept the ranks in step: the next collective is a collective again
     assert rank0["after"] == rank1["after"] == 40.0
-    # While both run, the backward opens no round: rank 1, failing before its backward, runs it
-    # (zero gradients) so rank 0's gradient all-reduce meets it; rank 0 raises at its next round.
+    # While both run, rank 0 does not wait for its backward's round: rank 1, failing before its
+    # backward, reads that round in its abort round and runs the backward (zero gradients) so
+    # that rank 0's gradient all-reduce meets it; rank 0 raises at its next round.
     for where, message in (("before_backward", "before its backward"), ("after_backward", "after its backward")):
         assert rank1[where]["error"] == f"KeyError: 'rank 1 fails {message}'", rank1[where]
         assert rank0[where]["error"].startswith("PeerLeftJoinError: Another rank left lite.join"), rank0[where]
@@ -444,3 +447,27 @@ def test_a_step_message_encodes_and_decodes_itself():
     assert "different steps" in round_.disagreement()  # another call site: never matched
     ahead = Round([Step(Kind.FORWARD, ended=0).encode(), Step(Kind.COLLECTIVE, site=7, ended=1).encode()])
     assert ahead.runners == [0] and ahead.waiters == [1] and ahead.disagreement() is None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_2"])
+def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_counts_zero(script, strategy):
+    """While every rank runs, a backward's round does not wait (lean rounds); a rank that skips
+    it (data-dependent control flow) must still not leave the others in its gradient
+    collectives: in the middle of the loop every rank refuses at once, naming both steps; on
+    its last batch the rank contributes zero to that step, as a rank out of data does."""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_skip", strategy, timeout=90)
+    assert result.returncode == 0, result.explain()
+    rank0, rank1 = result.json()
+    expected = (
+        "RuntimeError: Inside lite.join the ranks still active announced different steps (rank 0: "
+        "the backward of forward #4 of model 0; rank 1: a forward of model 0)"
+    )
+    for rank in (rank0, rank1):
+        assert rank["middle"]["error"].startswith(expected), rank["middle"]
+        assert rank["middle"]["after"] == 3.0  # the next collective pairs: 1 + 2
+        assert rank["last"]["error"] is None and rank["last"]["after"] == 3.0
+    got = rank0["last"]["params"]
+    assert got[0] == got[1], "the ranks' parameters differ"
+    assert max_diff(_flat(got[0]), _flat(rank0["last"]["reference"])) < 1e-6

@@ -86,7 +86,7 @@ with lite.launch(
         result[run.global_rank] = f"{type(e).__name__}: {e}"
     if case == "abort":
         result["after"] = lite.all_reduce(20.0)
-        # Both ranks run (no rank serves: lean rounds, no round at the backward); rank 1 fails
+        # Both ranks run (no rank serves: lean rounds, not waited for); rank 1 fails
         # in its second step, before or after its backward.
         lean = make_model()
         lean, lean_opt = lite.setup(lean, torch.optim.SGD(lean.parameters(), lr=0.1))

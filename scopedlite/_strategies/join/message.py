@@ -140,6 +140,7 @@ class Step:
     needs: int = field(default=0, metadata=_OWN)  # bit m: this rank has no input of model m to replay with
     length: int = field(default=-1, metadata=_OWN)  # PASS: this rank's batches in the pass (-1: not known)
     scheduler_steps: int = field(default=0, metadata=_OWN)  # LEFT: how often its schedulers stepped
+    posted: bool = field(default=False, metadata=_OWN)  # the sender went on without waiting for this round
     header: Header = field(default_factory=Header)  # COLLECTIVE
     events: tuple[Event, ...] = field(default=(), metadata=_OWN)
 
@@ -182,7 +183,7 @@ class Step:
         if self.kind == Kind.FORWARD:
             return f"a forward of model {self.model}"
         if self.kind == Kind.BACKWARD:
-            return f"a backward of model {self.model}"
+            return f"the backward of forward #{self.seq} of model {self.model}"
         if self.kind == Kind.COLLECTIVE:
             return f"{self.header.describe()} at {site_name(self.site)}"
         if self.kind == Kind.PASS:

@@ -30,17 +30,18 @@ to run out (never, when all are equal). Loaders of unknown length, loops over an
 and what comes after the first rank ran out use the rounds.
 
 **Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
-the next batch. So when a round finds every rank at the same forward, each of them runs that
-forward's backward too and none serves it: the backward opens no round then (one round per
-step on a plain loop; a collective step - DeepSpeed's - and lite.clip_gradients keep theirs).
-A rank that leaves the block by an exception before that backward runs it itself, with zero
-gradients, before it tells the others in its ABORT round, so that their backward's gradient
-collectives meet its own and they learn of it at their next round. Where the
-forward communicates nothing (DDP, ZeRO-1/2, from the third training forward of the model in
-the block, without buffers to broadcast), its round is opened without waiting and read
-before the backward, so the ranks' skew is waited out behind the forward's compute. The
-first round that finds a rank left, waiting or serving makes every rank announce its
-backwards again (they all read the same rounds).
+the next batch. So when a round finds every rank at the same forward, none serves that step,
+and its rounds need not be waited for where they are opened: the backward's round is read at
+the next round; where the forward communicates nothing (DDP, ZeRO-1/2, from the third
+training forward of the model in the block, without buffers to broadcast) the forward's is
+read before the backward, so the ranks' skew is waited out behind the forward's compute. (A
+collective step - DeepSpeed's - and lite.clip_gradients wait for theirs.) The backward's round
+is still sent because a rank that does something else instead (skips the backward, leaves by
+an exception) must learn that the others are in its gradient collectives: it reads their
+round in its own next one, runs that backward with zero gradients so that they get out
+(:meth:`JoinSession._answer_posted_backwards`), and then refuses, or aborts, as they do at
+their next round. The first round that finds a rank left, waiting or serving makes every rank
+wait for its rounds again (they all read the same rounds).
 
 **Replicas.** Under ``model_parallel`` the tensor-parallel ranks of a data-parallel replica
 read the same batches: they run, wait and leave together (each round checks it), replay
@@ -57,6 +58,7 @@ be replayed is refused on every rank at once, before any value is computed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -183,7 +185,8 @@ class JoinSession:
         self._posted: tuple[Callable[[], None], torch.Tensor] | None = None  # a forward's round not read yet
         # model -> training forwards every rank ran in this block, announced together
         self._forwards_together: dict[int, int] = {}
-        self._unanswered: dict[int, list[torch.Tensor]] = {}  # model -> outputs of its forward awaiting a backward
+        # model -> (forward number, outputs) of its last training forward while its backward is to come
+        self._unanswered: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
@@ -263,25 +266,14 @@ class JoinSession:
             self._settle()
         except Exception:  # noqa: BLE001 - refused or aborted on every rank in that round: no ABORT needed
             return
-        if self.lean:
-            self._answer_backwards()
         try:
-            self._exchange(Step(Kind.ABORT))
+            round_ = self._exchange(Step(Kind.ABORT))
         except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
-            pass
-
-    def _answer_backwards(self) -> None:
-        """This rank leaves the block by an exception after a forward whose backward it has not
-        run, while every rank runs: the others run that backward without a round, so it takes
-        part in its gradient collectives (zero gradients) before its ABORT round."""
-        self.serving = True  # its own hooks stay quiet, as on a rank that replays
-        try:
-            for index, outputs in self._unanswered.items():
-                sync = self.hook.sync_flag(index)
-                self.hook.backward(index, outputs, sync, sync and self.own_unsynced[index])
-        finally:
-            self.serving = False
-            self._unanswered.clear()
+            return
+        # While every rank runs, the others may be in the gradient collectives of a forward this
+        # rank ran too (they read this ABORT at their next round): it takes part in them.
+        self._answer_posted_backwards(round_)
+        self._unanswered.clear()
 
     # -- rounds --------------------------------------------------------------------------------------
     def _open(self, said: Step) -> tuple[Callable[[], None], torch.Tensor]:
@@ -331,6 +323,8 @@ class JoinSession:
         if round_.aborted:
             raise PeerLeftJoinError(PEER_LEFT)
         problem = round_.disagreement() if not round_.over else None
+        if problem is not None:
+            self._answer_posted_backwards(round_)
         self._refuse(problem or round_.replica_problem(self.replicas) or round_.events_problem())
         for event in round_.events_to_apply(self.rank):
             self.events.apply(event, self.rank)
@@ -345,6 +339,27 @@ class JoinSession:
             self._recording_started = True  # a rank may serve from here: record (once per block)
             self.events.start()
         return round_
+
+    def _answer_posted_backwards(self, round_: Round) -> None:
+        """A rank that announced the backward of a forward this rank ran too without waiting
+        for its round (every rank ran the step before) is in that backward's gradient
+        collectives already. This rank, which will not run that backward (it refuses the
+        round, or leaves by an exception), runs it with zero gradients, so that the other
+        gets out and reads the same verdict at its next round."""
+        mine = round_.steps[self.rank]
+        for r in round_.runners:
+            said = round_.steps[r]
+            if r == self.rank or said.kind != Kind.BACKWARD or not said.posted or said.key() == mine.key():
+                continue
+            seq, outputs = self._unanswered.get(said.model, (None, []))
+            if seq != said.seq:
+                continue
+            del self._unanswered[said.model]
+            self.serving = True  # its own hooks stay quiet, as on a rank that replays
+            try:
+                self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
+            finally:
+                self.serving = False
 
     def _refuse(self, problem: str | None) -> None:
         """Raise the verdict every rank reads from the same round, on every rank at once:
@@ -462,6 +477,7 @@ class JoinSession:
             and not self.hook.forward_communicates
             and torch.is_grad_enabled()
             and self._forwards_together.get(index, 0) >= 2
+            and index not in self._unanswered  # the last forward's backward ran (else: see _answer_posted_backwards)
             and len(self.events.pending) <= MAX_EVENTS
         )
 
@@ -482,7 +498,7 @@ class JoinSession:
         taken = iter(wrapped)
         result = map_tensors(output, lambda t: next(taken) if t.requires_grad else t)
         if not self.serving and self.rounds:
-            self._unanswered[index] = wrapped
+            self._unanswered[index] = (self.forwards, wrapped)
         if self.serving:
             # Kept until the backward of this forward is announced; a few forwards may come
             # before one backward, none is kept for ever.
@@ -508,8 +524,16 @@ class JoinSession:
         self.own_unsynced[index] = not sync
         self._unanswered.pop(index, None)
         self._settle()
-        if self.rounds and not self.lean:
-            self._announce(Step(Kind.BACKWARD, model=index, sync=sync, mask=mask, seq=seq))
+        if self.rounds:
+            said = Step(Kind.BACKWARD, model=index, sync=sync, mask=mask, seq=seq)
+            if self.lean and len(self.events.pending) <= MAX_EVENTS:
+                # Every rank ran this forward: its round is read at the next one, and waits
+                # for nothing here. It pairs with the next round of a rank that skips this
+                # backward, which refuses there (answering this backward first).
+                posted = dataclasses.replace(said, posted=True)
+                self._post(posted.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
+            else:
+                self._announce(said)
         return self.hook.output_scale(self.count)
 
     def before_step(self, index: int) -> None:
@@ -618,8 +642,10 @@ class JoinSession:
             with _buffers_kept(self.hook.module(step.model)), torch.set_grad_enabled(step.grad):
                 self.hook.forward(step.model, args, kwargs, step.sync)
         elif step.kind == Kind.BACKWARD:
-            outputs = self.outputs.pop(step.seq, [])
-            chosen = [t for i, t in enumerate(outputs) if step.mask >> i & 1]
+            outputs = self.outputs.pop(step.seq, None)
+            if outputs is None and self._unanswered.get(step.model, (None,))[0] == step.seq:
+                outputs = self._unanswered.pop(step.model)[1]  # its own last forward, left without a backward
+            chosen = [t for i, t in enumerate(outputs or []) if step.mask >> i & 1]
             keep_own = step.sync and self.own_unsynced[step.model]
             if step.sync:
                 self.own_unsynced[step.model] = False
