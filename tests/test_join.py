@@ -454,7 +454,8 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
     """While every rank runs, a backward's round does not wait (lean rounds); a rank that skips
     it (data-dependent control flow) must still not leave the others in its gradient
     collectives: in the middle of the loop every rank refuses at once, naming both steps; on
-    its last batch the rank contributes zero to that step, as a rank out of data does."""
+    its last batch the rank contributes zero to that step, as a rank out of data does. A rank
+    that evaluates alone in the loop is refused on every rank too."""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
     result = script("join_skip", strategy, timeout=90)
@@ -464,8 +465,13 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
         "RuntimeError: Inside lite.join the ranks still active announced different steps (rank 0: "
         "the backward of forward #4 of model 0; rank 1: a forward of model 0)"
     )
+    alone = (
+        "RuntimeError: Inside lite.join the ranks still active announced different steps (rank 0: "
+        "a forward of model 0 without gradients; rank 1: a forward of model 0)"
+    )
     for rank in (rank0, rank1):
         assert rank["middle"]["error"].startswith(expected), rank["middle"]
+        assert rank["eval"]["error"].startswith(alone) and rank["eval"]["after"] == 3.0, rank["eval"]
         assert rank["middle"]["after"] == 3.0  # the next collective pairs: 1 + 2
         assert rank["last"]["error"] is None and rank["last"]["after"] == 3.0
     got = rank0["last"]["params"]

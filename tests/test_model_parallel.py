@@ -384,7 +384,7 @@ def test_a_replica_runs_waits_and_leaves_as_one():
     from scopedlite._strategies.join.message import Kind, Round, Step
 
     replicas = (0, 0, 1, 1)
-    forward, left = Step(Kind.FORWARD).encode(), Step(Kind.LEFT).encode()
+    forward, left = Step(Kind.FORWARD, grad=True, sync=True).encode(), Step(Kind.LEFT).encode()
     assert Round([forward, forward, left, left]).replica_problem(replicas) is None  # replica 1 serves
     assert Round([forward] * 4).replica_problem(replicas) is None
     assert Round([left, forward, left, left]).replica_problem((0, 1, 2, 3)) is None  # one rank, one replica

@@ -6,6 +6,8 @@ argv: strategy
 - ``middle``: rank 1 skips the backward of its 4th batch and goes on: every rank refuses at
   once with the same message (none waits in the others' gradient collectives), and the next
   collective after the block still pairs.
+- ``eval``: rank 0 alone evaluates (a forward without gradients) in the middle of the loop:
+  every rank refuses at once, the message telling the two forwards apart.
 - ``last``: rank 1 skips the backward of its last batch and leaves the loop: it contributes
   zero to that step, as a rank out of data does; the parameters end equal on both ranks and
   equal to plain torch's over the same losses (a missing rank counts zero, the mean over 2).
@@ -46,7 +48,7 @@ def reference(skipped: dict[int, set[int]], lengths: dict[int, int]) -> list[lis
 result = {}
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) as run:
     rank = run.global_rank
-    for case, lengths, skip_at in (("middle", {0: 6, 1: 6}, 3), ("last", {0: 6, 1: 4}, 3)):
+    for case, lengths, skip_at in (("middle", {0: 6, 1: 6}, 3), ("eval", {0: 6, 1: 6}, -1), ("last", {0: 6, 1: 4}, 3)):
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         model, opt = lite.setup(model, opt)
@@ -59,6 +61,9 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) a
                     lite.backward(loss)
                     opt.step()
                     opt.zero_grad()
+                    if case == "eval" and rank == 0 and i == 3:
+                        with torch.no_grad():
+                            model(x)  # rank 0 alone peeks at its model
             result[case] = {"error": None}
         except RuntimeError as e:
             result[case] = {"error": f"{type(e).__name__}: {e}"}

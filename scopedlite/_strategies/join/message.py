@@ -181,7 +181,8 @@ class Step:
 
     def describe(self) -> str:
         if self.kind == Kind.FORWARD:
-            return f"a forward of model {self.model}"
+            how = " without gradients" if not self.grad else " inside no_backward_sync" if not self.sync else ""
+            return f"a forward of model {self.model}{how}"
         if self.kind == Kind.BACKWARD:
             return f"the backward of forward #{self.seq} of model {self.model}"
         if self.kind == Kind.COLLECTIVE:
