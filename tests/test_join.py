@@ -477,3 +477,19 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
     got = rank0["last"]["params"]
     assert got[0] == got[1], "the ranks' parameters differ"
     assert max_diff(_flat(got[0]), _flat(rank0["last"]["reference"])) < 1e-6
+
+
+@pytest.mark.parametrize(("strategy", "per_step"), [("fsdp", 2), ("deepspeed_stage_3", 3)])
+def test_the_protocol_rounds_on_even_data_under_the_sharded_strategies(script, strategy, per_step):
+    """Counted where the session opens them (the strategies' own all-gathers are not): over a
+    set-up loader one round when the pass begins and none per step; over a plain list, per
+    step the forward's round (awaited: the forward gathers parameters) and the backward's (not
+    awaited while every rank runs), under DeepSpeed also its collective step's; one at the end.
+    (ddp: test_join_uneven's even_rounds.)"""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_rounds", strategy, timeout=90)
+    assert result.returncode == 0, result.explain()
+    expected = {"2": 1, "5": 1, "list2": 2 * per_step + 1, "list5": 5 * per_step + 1}
+    for rank, counts in enumerate(result.json()):
+        assert counts == expected, f"rank {rank}: rounds {counts}"
