@@ -449,13 +449,14 @@ def test_a_step_message_encodes_and_decodes_itself():
     assert ahead.runners == [0] and ahead.waiters == [1] and ahead.disagreement() is None
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"])
 def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_counts_zero(script, strategy):
     """While every rank runs, a backward's round does not wait (lean rounds); a rank that skips
     it (data-dependent control flow) must still not leave the others in its gradient
     collectives: in the middle of the loop every rank refuses at once, naming both steps; on
     its last batch the rank contributes zero to that step, as a rank out of data does. A rank
-    that evaluates alone in the loop is refused on every rank too."""
+    that evaluates alone in the loop is refused on every rank too, and under DeepSpeed a rank
+    that skips the (collective) optimizer step."""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
     result = script("join_skip", strategy, timeout=90)
@@ -474,6 +475,8 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
         assert rank["eval"]["error"].startswith(alone) and rank["eval"]["after"] == 3.0, rank["eval"]
         assert rank["middle"]["after"] == 3.0  # the next collective pairs: 1 + 2
         assert rank["last"]["error"] is None and rank["last"]["after"] == 3.0
+        if strategy.startswith("deepspeed"):  # the step skipped: both raise, none waits
+            assert rank["step"]["error"].startswith("RuntimeError") and rank["step"]["after"] == 3.0, rank["step"]
     got = rank0["last"]["params"]
     assert got[0] == got[1], "the ranks' parameters differ"
     assert max_diff(_flat(got[0]), _flat(rank0["last"]["reference"])) < 1e-6

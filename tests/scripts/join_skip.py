@@ -8,6 +8,9 @@ argv: strategy
   collective after the block still pairs.
 - ``eval``: rank 0 alone evaluates (a forward without gradients) in the middle of the loop:
   every rank refuses at once, the message telling the two forwards apart.
+- ``step`` (DeepSpeed, whose optimizer step is collective): rank 1 runs the backward and skips
+  the step the others take: both raise (none waits in the others' step), and the next
+  collective pairs.
 - ``last``: rank 1 skips the backward of its last batch and leaves the loop: it contributes
   zero to that step, as a rank out of data does; the parameters end equal on both ranks and
   equal to plain torch's over the same losses (a missing rank counts zero, the mean over 2).
@@ -48,7 +51,10 @@ def reference(skipped: dict[int, set[int]], lengths: dict[int, int]) -> list[lis
 result = {}
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) as run:
     rank = run.global_rank
-    for case, lengths, skip_at in (("middle", {0: 6, 1: 6}, 3), ("eval", {0: 6, 1: 6}, -1), ("last", {0: 6, 1: 4}, 3)):
+    cases = [("middle", {0: 6, 1: 6}, 3), ("eval", {0: 6, 1: 6}, -1), ("last", {0: 6, 1: 4}, 3)]
+    if strategy.startswith("deepspeed"):
+        cases.append(("step", {0: 6, 1: 6}, 3))
+    for case, lengths, skip_at in cases:
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         model, opt = lite.setup(model, opt)
@@ -56,9 +62,11 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) a
             with lite.join(model):
                 for i, x in enumerate(data(rank, lengths[rank])):
                     loss = model(x).pow(2).mean()
-                    if rank == 1 and i == skip_at:
+                    if rank == 1 and i == skip_at and case != "step":
                         continue  # this rank alone skips the step
                     lite.backward(loss)
+                    if rank == 1 and i == skip_at:
+                        continue  # this rank alone skips its optimizer step
                     opt.step()
                     opt.zero_grad()
                     if case == "eval" and rank == 0 and i == 3:

@@ -34,12 +34,13 @@ the next batch. So when a round finds every rank at the same forward, none serve
 and its rounds need not be waited for where they are opened: the backward's round is read at
 the next round; where the forward communicates nothing (DDP, ZeRO-1/2, from the third
 training forward of the model in the block, without buffers to broadcast) the forward's is
-read before the backward, so the ranks' skew is waited out behind the forward's compute. (A
-collective step - DeepSpeed's - and lite.clip_gradients wait for theirs.) The backward's round
-is still sent because a rank that does something else instead (skips the backward, leaves by
-an exception) must learn that the others are in its gradient collectives: it reads their
-round in its own next one, runs that backward with zero gradients so that they get out
-(:meth:`JoinSession._answer_posted_backwards`), and then refuses, or aborts, as they do at
+read before the backward, so the ranks' skew is waited out behind the forward's compute.
+DeepSpeed's collective step is announced as the backward is; lite.clip_gradients waits for
+its round. The backward's and step's rounds are still sent because a rank that does something
+else instead (skips them, leaves by an exception) must learn that the others are in their
+collectives: it reads their round in its own next one, runs that backward with zero gradients
+(or that step) so that they get out
+(:meth:`JoinSession._answer_posted`), and then refuses, or aborts, as they do at
 their next round. The first round that finds a rank left, waiting or serving makes every rank
 wait for its rounds again (they all read the same rounds).
 
@@ -272,7 +273,7 @@ class JoinSession:
             return
         # While every rank runs, the others may be in the gradient collectives of a forward this
         # rank ran too (they read this ABORT at their next round): it takes part in them.
-        self._answer_posted_backwards(round_)
+        self._answer_posted(round_)
         self._unanswered.clear()
 
     # -- rounds --------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ class JoinSession:
             raise PeerLeftJoinError(PEER_LEFT)
         problem = round_.disagreement() if not round_.over else None
         if problem is not None:
-            self._answer_posted_backwards(round_)
+            self._answer_posted(round_)
         self._refuse(problem or round_.replica_problem(self.replicas) or round_.events_problem())
         for event in round_.events_to_apply(self.rank):
             self.events.apply(event, self.rank)
@@ -340,24 +341,31 @@ class JoinSession:
             self.events.start()
         return round_
 
-    def _answer_posted_backwards(self, round_: Round) -> None:
-        """A rank that announced the backward of a forward this rank ran too without waiting
-        for its round (every rank ran the step before) is in that backward's gradient
-        collectives already. This rank, which will not run that backward (it refuses the
-        round, or leaves by an exception), runs it with zero gradients, so that the other
-        gets out and reads the same verdict at its next round."""
+    def _answer_posted(self, round_: Round) -> None:
+        """A rank that announced a backward (or DeepSpeed's collective step) of a step this
+        rank ran too without waiting for its round (every rank ran that step's forward) is in
+        its collectives already. This rank, which will not run it (it refuses the round, or
+        leaves by an exception), runs it as a serving rank would - the backward with zero
+        gradients, the step with the reduced ones - so that the other gets out and reads the
+        same verdict at its next round."""
         mine = round_.steps[self.rank]
+        answered = set()
         for r in round_.runners:
             said = round_.steps[r]
-            if r == self.rank or said.kind != Kind.BACKWARD or not said.posted or said.key() == mine.key():
+            if r == self.rank or not said.posted or said.key() == mine.key() or said.key() in answered:
                 continue
             seq, outputs = self._unanswered.get(said.model, (None, []))
-            if seq != said.seq:
+            if said.kind == Kind.BACKWARD and seq == said.seq:
+                del self._unanswered[said.model]
+            elif said.kind != Kind.STEP:
                 continue
-            del self._unanswered[said.model]
+            answered.add(said.key())
             self.serving = True  # its own hooks stay quiet, as on a rank that replays
             try:
-                self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
+                if said.kind == Kind.STEP:
+                    self.hook.step(said.model)
+                else:
+                    self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
             finally:
                 self.serving = False
 
@@ -477,7 +485,7 @@ class JoinSession:
             and not self.hook.forward_communicates
             and torch.is_grad_enabled()
             and self._forwards_together.get(index, 0) >= 2
-            and index not in self._unanswered  # the last forward's backward ran (else: see _answer_posted_backwards)
+            and index not in self._unanswered  # the last forward's backward ran (else: see _answer_posted)
             and len(self.events.pending) <= MAX_EVENTS
         )
 
@@ -542,7 +550,14 @@ class JoinSession:
             return
         optimizer = self.optimizers[index] if index < len(self.optimizers) else None
         lr = self.events.check_lr(optimizer) if optimizer is not None else 0.0
-        self._announce(Step(Kind.STEP, model=index, lr=lr))
+        said = Step(Kind.STEP, model=index, lr=lr)
+        self._settle()
+        if self.lean and len(self.events.pending) <= MAX_EVENTS:  # as a backward's (see before_backward)
+            self._post(
+                dataclasses.replace(said, posted=True).with_events(self.events.take(MAX_EVENTS), True, self.ended)
+            )
+        else:
+            self._announce(said)
 
     def clip_gradients(
         self,
