@@ -4,7 +4,9 @@ The layers are declared once, in pyproject.toml's ``[tool.importlinter]`` contra
 in docs/architecture.md. import-linter checks that no module imports from a layer above its
 own; the tests below add what a layers contract does not see: cycles inside a layer, imports
 of our own modules hidden inside functions (the usual way a cycle is dodged), and private
-torch / DeepSpeed / torch_xla API used outside ``scopedlite._private``.
+torch / DeepSpeed / torch_xla API used outside ``scopedlite._private``: as ``x._attr``, by a
+string (``vars(m)["_modules"]``, ``getattr(x, "_y")``), or as one of the attributes those
+libraries set for their own bookkeeping without an underscore.
 """
 
 from __future__ import annotations
@@ -122,6 +124,140 @@ def test_private_third_party_api_only_in_the_private_package():
                     continue
                 found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     assert not found, found
+
+
+# Attributes of torch's and DeepSpeed's objects that are not underscored but not documented
+# either: plain attributes the library sets and reads for its own bookkeeping. Read or written
+# (``x.name``, ``getattr(x, "name")``) only in ``scopedlite._private``.
+_UNDOCUMENTED_ATTRIBUTES = {
+    # DistributedDataParallel: what no_sync() and the forward set, the ignored names' set
+    "require_backward_grad_sync",
+    "require_forward_param_sync",
+    "parameters_to_ignore",
+    # DeepSpeed: what ZeRO-3 (deepspeed.zero.Init) adds to a partitioned parameter
+    "ds_numel",
+    "ds_id",
+    "ds_status",
+    "ds_tensor",
+    "ds_shape",
+    "ds_process_group",
+    "ds_persist",
+    "ds_active_sub_modules",
+}
+
+# Underscore names reached by string (getattr/hasattr/setattr/delattr, ``__dict__[...]``) that
+# are not third-party internals: (the object as written, the name) -> why it is allowed.
+_ALLOWED_BY_NAME = {
+    ("data", "_fields"): "a named tuple's _fields is documented API (collections.namedtuple)",
+    ("samplers[0]", "_drop_last"): "our own sampler's attribute (scopedlite/_api/sampler.py)",
+    ("package", "_START_DIRECTORY"): "our own package's module constant (scopedlite/__init__.py)",
+}
+
+_GETATTR_FAMILY = ("getattr", "setattr", "hasattr", "delattr")
+_DUNDER_ACCESS = ("__getattribute__", "__setattr__", "__delattr__")  # object.__getattribute__(x, "name")
+
+
+def _internal_name(name: object) -> bool:
+    return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+
+def _loop_constants(tree: ast.Module) -> dict[str, set[str]]:
+    """For each name bound by a loop over a literal of strings (``for store in ("_a", "_b")``,
+    also in comprehensions), the strings it takes."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, (ast.For, ast.comprehension))
+            and isinstance(node.target, ast.Name)
+            and isinstance(node.iter, (ast.Tuple, ast.List, ast.Set))
+        ):
+            values = {e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            found.setdefault(node.target.id, set()).update(values)
+    return found
+
+
+def _instance_dict_of(node: ast.AST, aliases: set[str]) -> ast.AST | None:
+    """The object whose attribute dictionary ``node`` is (``x.__dict__``, ``vars(x)``, or a
+    name assigned one of those), else None."""
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return node.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars" and node.args:
+        return node.args[0]
+    if isinstance(node, ast.Name) and node.id in aliases:
+        return node
+    return None
+
+
+def _by_name_accesses(tree: ast.Module) -> list[tuple[ast.AST, ast.AST, str, bool]]:
+    """``(the whole expression, the object, the attribute name, through its dictionary)`` for
+    each attribute reached by a string: an instance dictionary's key (subscript,
+    ``get``/``pop``/``setdefault``, ``in``) or the name given to getattr, setattr, hasattr,
+    delattr or an ``object.__getattribute__``-style call. A key that is a loop variable over a
+    literal of strings counts as each of them."""
+    loops = _loop_constants(tree)
+    aliases = {
+        t.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and _instance_dict_of(node.value, set()) is not None
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+    def names(key: ast.AST) -> set[str]:
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            return {key.value}
+        if isinstance(key, ast.Name):
+            return loops.get(key.id, set())
+        return set()
+
+    found = []
+    for node in ast.walk(tree):
+        owner = key = None
+        through_dict = True
+        if isinstance(node, ast.Subscript):
+            owner, key = _instance_dict_of(node.value, aliases), node.slice
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            owner, key = _instance_dict_of(node.comparators[0], aliases), node.left
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault"):
+                owner, key = _instance_dict_of(func.value, aliases), node.args[0]
+            elif len(node.args) >= 2 and (
+                (isinstance(func, ast.Name) and func.id in _GETATTR_FAMILY)
+                or (isinstance(func, ast.Attribute) and func.attr in _DUNDER_ACCESS)
+            ):
+                owner, key, through_dict = node.args[0], node.args[1], False
+        if owner is not None and key is not None:
+            found.extend((node, owner, name, through_dict) for name in sorted(names(key)))
+    return found
+
+
+def test_private_third_party_api_by_name_only_in_the_private_package():
+    """What ``x._attr`` does not show: a third party's internals reached by a string
+    (``vars(module)["_modules"]``, ``getattr(x, "_y")``), and attributes torch and DeepSpeed
+    set for their own bookkeeping without an underscore (``ddp.require_backward_grad_sync``,
+    ``param.ds_numel``). Either goes through a function of ``scopedlite._private``."""
+    found = []
+    for path, tree in _modules():
+        if PRIVATE in path.parents:
+            continue
+        where = path.relative_to(REPO)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in _UNDOCUMENTED_ATTRIBUTES:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+        for node, owner, name, through_dict in _by_name_accesses(tree):
+            written = ast.unparse(owner)
+            if name not in _UNDOCUMENTED_ATTRIBUTES and (
+                not _internal_name(name)
+                or name.startswith("_lite_")
+                or (written, name) in _ALLOWED_BY_NAME
+                # getattr(self, "_x") is our own class's attribute, as self._x is; but
+                # self.__dict__["_modules"] is still torch's, on a subclass of nn.Module
+                or (written in ("self", "cls") and not through_dict)
+            ):
+                continue
+            found.append(f"{where}:{node.lineno} {name!r} in {ast.unparse(node)}")
+    assert not found, sorted(found)
 
 
 @pytest.mark.parametrize("library", ["torch", "deepspeed", "torch_xla"])

@@ -18,6 +18,7 @@ __all__ = [
     "ZeroSlot",
     "forget_forward_stack",
     "full_shape",
+    "is_zero3_parameter",
     "is_zero3_partitioned",
     "pickled_classes_readable",
     "write_zero3_partition",
@@ -35,6 +36,17 @@ def is_zero3_partitioned(module: torch.nn.Module) -> bool:
     moved with ``.to(device)`` before ``deepspeed.initialize``.
     """
     return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def is_zero3_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 partitioned parameter (gathered only inside forward or
+    ``deepspeed.zero.GatheredParameters``).
+
+    Why private: as for :func:`is_zero3_partitioned`, DeepSpeed marks such a parameter only by
+    the attributes it adds to it; ``ds_numel`` (the whole parameter's element count) is one.
+    Checked against deepspeed 0.19.8 (``Init._convert_to_deepspeed_param``).
+    """
+    return hasattr(param, "ds_numel")
 
 
 def forget_forward_stack(module: torch.nn.Module) -> None:

@@ -20,7 +20,10 @@ __all__ = [
     "OpInterceptor",
     "compiled_parts",
     "cpu_attention_ops",
+    "ddp_ignored_names",
+    "ddp_owes_buffer_sync",
     "ddp_reducer_is_reducing",
+    "ddp_syncs_gradients",
     "default_store",
     "forget_dtensor_shardings",
     "held_by_python_only",
@@ -28,12 +31,14 @@ __all__ = [
     "fsdp_post_forward",
     "fsdp_pre_forward",
     "group_sequence_numbers",
+    "has_registered",
     "live_process_groups",
     "local_box",
     "op_facts",
     "overwrite_buffers",
     "prepare_ddp_backward",
     "recompile",
+    "registered_submodule",
     "set_group_timeout",
     "storage_key",
 ]
@@ -350,3 +355,76 @@ def group_sequence_numbers() -> tuple[int, ...] | None:
         return tuple(int(group._get_sequence_number_for_group()) for group in distributed_c10d._world.pg_map)
     except Exception:  # noqa: BLE001 - a group being destroyed, a backend without a count
         return None
+
+
+# -- nn.Module's registries, read past a wrapper's attribute lookup ---------------------------
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def registered_submodule(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The submodule ``module`` registered as ``name`` (DDP's and DeepSpeed's ``module``),
+    read from its ``__dict__``; None where it has none, or has no registry yet (an object
+    being unpickled or copied, before ``nn.Module.__init__``'s state is in place).
+
+    Why private: the set-up model answers attribute lookups for the user's module inside it
+    (``_strategies/user_model.py``, ``deepspeed/engines.py``), and to do so it must reach that
+    module without an attribute lookup of its own: ``getattr``, ``get_submodule`` and
+    ``named_children`` all go through the overridden ``__getattr__``/``__getattribute__`` and
+    would come back there forever. ``nn.Module`` keeps its submodules in the ``_modules`` dict
+    of its ``__dict__``, which no public API hands out. Checked against torch 2.13.
+    """
+    modules = module.__dict__.get("_modules")
+    return modules.get(name) if modules is not None else None
+
+
+def has_registered(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is one of ``module``'s own parameters, buffers or submodules (also one
+    registered as None), read from its ``__dict__``.
+
+    Why private: see :func:`registered_submodule`: the set-up model decides whose a name is
+    before any attribute lookup. The public ``named_parameters(recurse=False)``,
+    ``named_buffers`` and ``named_children`` read the registries through attribute lookup and
+    skip names registered as None; the registries are the ``_parameters``, ``_buffers`` and
+    ``_modules`` dicts of ``nn.Module``'s ``__dict__``. Checked against torch 2.13.
+    """
+    own = module.__dict__
+    return any(name in own.get(registry, {}) for registry in _REGISTRIES)
+
+
+# -- DistributedDataParallel's bookkeeping attributes -----------------------------------------
+
+
+def ddp_syncs_gradients(ddp: Any) -> bool:
+    """Whether a backward through ``ddp``'s next forward all-reduces gradients: False inside
+    ``ddp.no_sync()``.
+
+    Why private: ``no_sync()`` is public, but the flag it lowers, ``require_backward_grad_sync``
+    (read by DDP's forward to decide whether to prepare the reducer), is a plain undocumented
+    attribute; nothing public says whether a ``no_sync`` block is open. Checked against
+    torch 2.13 (``DistributedDataParallel.no_sync`` / ``_pre_forward``).
+    """
+    return bool(ddp.require_backward_grad_sync)
+
+
+def ddp_owes_buffer_sync(ddp: Any) -> bool:
+    """Whether ``ddp``'s last forward owes a buffer broadcast: it ran with gradients enabled
+    outside ``no_sync()``, so DDP would broadcast buffers at the start of the next forward.
+
+    Why private: DDP keeps this in ``require_forward_param_sync``, a plain undocumented
+    attribute its ``_post_forward`` sets (and its ``_pre_forward`` reads); there is no public
+    accessor. Checked against torch 2.13 (``DistributedDataParallel._post_forward``).
+    """
+    return bool(ddp.require_forward_param_sync)
+
+
+def ddp_ignored_names(ddp: Any) -> set[str]:
+    """The names of the parameters and buffers ``ddp`` neither synchronises nor broadcasts
+    (those named by ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+    before it was built), in the user's module's terms.
+
+    Why private: DDP keeps them in ``parameters_to_ignore``, a plain undocumented attribute
+    built from the module's ``_ddp_params_and_buffers_to_ignore``; no public API lists them.
+    Checked against torch 2.13 (``DistributedDataParallel.__init__``).
+    """
+    return ddp.parameters_to_ignore  # type: ignore[no-any-return]

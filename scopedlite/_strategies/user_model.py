@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from scopedlite._private.torch_internals import has_registered, registered_submodule
 from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.ddp.unused import forward_naming_unused
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
@@ -101,7 +102,7 @@ def user_owns(inner: torch.nn.Module, name: str) -> bool:
     own = inner.__dict__
     if name in own:
         return name not in _MODULE_API
-    if any(name in own.get(store, {}) for store in ("_parameters", "_buffers", "_modules")):
+    if has_registered(inner, name):
         return True
     return name in _class_names(type(inner))
 
@@ -125,8 +126,7 @@ class UserModelView(torch.nn.Module):
     def _lite_inner(self) -> torch.nn.Module | None:
         # Read from __dict__: during unpickling or copying the attribute may not exist yet, and
         # reading it through getattr would come back here forever.
-        modules = self.__dict__.get("_modules")
-        return modules.get("module") if modules is not None else None
+        return registered_submodule(self, "module")
 
     def __getattr__(self, name: str) -> Any:
         try:  # the wrapper's own parameters, buffers and submodules ("module")
@@ -168,7 +168,7 @@ class UserModelView(torch.nn.Module):
     def _lite_has_own(self, name: str) -> bool:
         if name in self.__dict__ or hasattr(type(self), name):
             return True
-        return any(name in self.__dict__.get(store, {}) for store in ("_parameters", "_buffers", "_modules"))
+        return has_registered(self, name)
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(dir(self._lite_inner())))

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._comm.payloads import keep
-from scopedlite._private.torch_internals import overwrite_buffers
+from scopedlite._private.torch_internals import ddp_ignored_names, ddp_owes_buffer_sync, overwrite_buffers
 from scopedlite._strategies.join.members import in_join
 
 __all__ = ["broadcast_coalesced", "buffer_flag_name", "synced_buffers", "take_over_buffer_sync"]
@@ -41,7 +41,7 @@ def buffer_flag_name(model: DistributedDataParallel) -> str:
 
 def synced_buffers(model: DistributedDataParallel) -> list[torch.Tensor]:
     """The buffers DDP would broadcast (those not in ``parameters_to_ignore``)."""
-    ignored = model.parameters_to_ignore
+    ignored = ddp_ignored_names(model)
     return [b for n, b in model.module.named_buffers() if n not in ignored]
 
 
@@ -59,7 +59,7 @@ def take_over_buffer_sync(model: DistributedDataParallel, device: torch.device) 
         # DDP sets the flag in its post-forward: True after a forward whose backward syncs. In
         # eval() no buffer changes (BatchNorm reads its statistics), so nothing is owed: rank 0
         # evaluating alone without torch.no_grad() does not wait either.
-        if ddp.require_forward_param_sync and ddp.training and not in_join(inner):
+        if ddp_owes_buffer_sync(ddp) and ddp.training and not in_join(inner):
             broadcast_coalesced(synced_buffers(ddp), 0, device)
 
     model.register_forward_hook(after_forward)

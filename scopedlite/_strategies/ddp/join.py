@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from scopedlite._private.torch_internals import ddp_ignored_names, ddp_owes_buffer_sync, ddp_syncs_gradients
 from scopedlite._strategies.ddp.buffers import broadcast_coalesced, synced_buffers
 from scopedlite._strategies.join.hook import JoinHook
 
@@ -62,11 +63,11 @@ class DDPJoinHook(JoinHook):
         return [owner for i, m in enumerate(self.models) for owner in ((i, m), (i, m.module))]
 
     def sync_flag(self, index: int) -> bool:
-        return bool(self.models[index].require_backward_grad_sync)
+        return ddp_syncs_gradients(self.models[index])
 
     def buffer_flag(self, index: int) -> bool:
         model = self.models[index]
-        return bool(self._buffers[index] and self._synced[index] and model.require_forward_param_sync)
+        return bool(self._buffers[index] and self._synced[index] and ddp_owes_buffer_sync(model))
 
     def sync_buffers(self, index: int, source: int) -> None:
         broadcast_coalesced(self._synced[index], source, self.strategy.comm_device)
@@ -93,7 +94,7 @@ class DDPJoinHook(JoinHook):
 
     def finish(self, authoritative: int) -> None:
         for index, model in enumerate(self.models):
-            ignored = model.parameters_to_ignore
+            ignored = ddp_ignored_names(model)
             tensors = [p for n, p in model.module.named_parameters() if n not in ignored]
             if self._buffers[index]:
                 tensors += self._synced[index]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._private.torch_internals import ddp_reducer_is_reducing, prepare_ddp_backward
+from scopedlite._private.torch_internals import ddp_reducer_is_reducing, ddp_syncs_gradients, prepare_ddp_backward
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join
 from scopedlite._strategies.method_results import on_backward
 
@@ -45,7 +45,7 @@ def ddp_method(ddp: DistributedDataParallel, inner: torch.nn.Module, name: str) 
             return result
         if in_join(inner):
             return on_backward(result, functools.partial(refuse_backward_in_join, f"{type(inner).__name__}.{name}"))
-        sync = ddp.require_backward_grad_sync  # DDP decides at forward time; so do we
+        sync = ddp_syncs_gradients(ddp)  # DDP decides at forward time; so do we
         if not sync:
             return result  # inside no_backward_sync: its backward accumulates locally
         if ddp.static_graph:

@@ -16,6 +16,8 @@ import re
 
 from torch.nn.parallel import DistributedDataParallel
 
+from scopedlite._private.torch_internals import ddp_ignored_names
+
 __all__ = ["forward_naming_unused", "reducer_parameter_names", "unused_parameters_error"]
 
 _PREFIX = "Expected to have finished reduction in the prior iteration"
@@ -34,7 +36,7 @@ def reducer_parameter_names(ddp: DistributedDataParallel) -> list[str]:
     the ignored ones (``parameters_to_ignore``) and counting a shared parameter once, as
     ``DistributedDataParallel._build_params_for_reducer`` builds its list. torch's indices
     are positions in it."""
-    ignored = ddp.parameters_to_ignore
+    ignored = ddp_ignored_names(ddp)
     seen: set[int] = set()
     names = []
     for module_name, module in ddp.module.named_modules():

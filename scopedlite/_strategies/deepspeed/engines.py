@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from scopedlite._private.deepspeed_internals import forget_forward_stack
+from scopedlite._private.deepspeed_internals import forget_forward_stack, is_zero3_parameter
+from scopedlite._private.torch_internals import registered_submodule
 from scopedlite._strategies.deepspeed.crossing import leaves_reached, refuse_crossing
 from scopedlite._strategies.user_model import UserModelView, saving_method, user_owns, view_class
 
@@ -67,7 +68,7 @@ class EngineView(UserModelView):
         if name in _FACE_NAMES or (name.startswith("__") and name.endswith("__")):
             return object.__getattribute__(self, name)
         engine = object.__getattribute__(self, "_lite_engine")
-        inner = engine.__dict__["_modules"].get("module")
+        inner = registered_submodule(engine, "module")
         if inner is not None and user_owns(inner, name):
             return object.__getattribute__(self, "_lite_user_attribute")(inner, name)
         value = getattr(engine, name)
@@ -77,12 +78,12 @@ class EngineView(UserModelView):
 
     def __setattr__(self, name: str, value: Any) -> None:
         engine = object.__getattribute__(self, "_lite_engine")
-        inner = engine.__dict__["_modules"].get("module")
+        inner = registered_submodule(engine, "module")
         setattr(inner if inner is not None and user_owns(inner, name) else engine, name, value)
 
     def __delattr__(self, name: str) -> None:
         engine = object.__getattribute__(self, "_lite_engine")
-        inner = engine.__dict__["_modules"].get("module")
+        inner = registered_submodule(engine, "module")
         delattr(inner if inner is not None and user_owns(inner, name) else engine, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -124,7 +125,7 @@ class EngineView(UserModelView):
         return saving_method(method, functools.partial(_gathered_state, inner))
 
     def _lite_inner(self) -> torch.nn.Module | None:
-        return object.__getattribute__(self, "_lite_engine").__dict__["_modules"].get("module")  # type: ignore[no-any-return]
+        return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")
 
     @property
     def lite_always_through_forward(self) -> bool:  # type: ignore[override]
@@ -160,7 +161,7 @@ def _gathered_state(inner: torch.nn.Module) -> dict[str, Any]:
     state: dict[str, Any] = {}
     copies: dict[int, torch.Tensor] = {}
     for key, value in inner.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.nn.Parameter) or not hasattr(value, "ds_numel"):
+        if not isinstance(value, torch.nn.Parameter) or not is_zero3_parameter(value):
             if rank == 0:
                 state[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
             continue
