@@ -183,7 +183,7 @@ class JoinSession:
         self._recording_started = False
         self.passes: set[PassCursor] = set()  # passes of set-up loaders under way on this rank
         self.lean = True  # the last round found every rank at the same step: see the module docstring
-        self._posted: tuple[Callable[[], None], torch.Tensor] | None = None  # a forward's round not read yet
+        self._posted: tuple[Callable[[], None], torch.Tensor] | None = None  # a round opened without waiting, unread
         # model -> training forwards every rank ran in this block, announced together
         self._forwards_together: dict[int, int] = {}
         # model -> (forward number, outputs) of its last training forward while its backward is to come
