@@ -456,7 +456,8 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
     collectives: in the middle of the loop every rank refuses at once, naming both steps; on
     its last batch the rank contributes zero to that step, as a rank out of data does. A rank
     that evaluates alone in the loop is refused on every rank too, and under DeepSpeed a rank
-    that skips the (collective) optimizer step."""
+    that skips the (collective) optimizer step; a rank whose forward raises midway leaves with
+    its error and the others with PeerLeftJoinError."""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
     result = script("join_skip", strategy, timeout=90)
@@ -474,9 +475,12 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
         assert rank["middle"]["error"].startswith(expected), rank["middle"]
         assert rank["eval"]["error"].startswith(alone) and rank["eval"]["after"] == 3.0, rank["eval"]
         assert rank["middle"]["after"] == 3.0  # the next collective pairs: 1 + 2
+        assert rank["raises"]["after"] == 3.0, rank["raises"]
         assert rank["last"]["error"] is None and rank["last"]["after"] == 3.0
         if strategy.startswith("deepspeed"):  # the step skipped: both raise, none waits
             assert rank["step"]["error"].startswith("RuntimeError") and rank["step"]["after"] == 3.0, rank["step"]
+    assert rank1["raises"]["error"] == "KeyError: 'rank 1 fails inside its forward'", rank1["raises"]
+    assert rank0["raises"]["error"].startswith("PeerLeftJoinError: Another rank left lite.join"), rank0["raises"]
     got = rank0["last"]["params"]
     assert got[0] == got[1], "the ranks' parameters differ"
     assert max_diff(_flat(got[0]), _flat(rank0["last"]["reference"])) < 1e-6
@@ -486,8 +490,9 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
 def test_the_protocol_rounds_on_even_data_under_the_sharded_strategies(script, strategy, per_step):
     """Counted where the session opens them (the strategies' own all-gathers are not): over a
     set-up loader one round when the pass begins and none per step; over a plain list, per
-    step the forward's round (awaited: the forward gathers parameters) and the backward's (not
-    awaited while every rank runs), under DeepSpeed also its collective step's; one at the end.
+    step the forward's round and the backward's (both awaited: the forward gathers parameters),
+    under DeepSpeed also its collective step's (not awaited while every rank runs); one at the
+    end.
     (ddp: test_join_uneven's even_rounds.)"""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")

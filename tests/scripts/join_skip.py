@@ -11,6 +11,9 @@ argv: strategy
 - ``step`` (DeepSpeed, whose optimizer step is collective): rank 1 runs the backward and skips
   the step the others take: both raise (none waits in the others' step), and the next
   collective pairs.
+- ``raises``: rank 1's forward raises inside the model (after its round, before its outputs
+  exist) while the others go on to that forward's backward: rank 1 gets its error, the others
+  PeerLeftJoinError (none waits in a gradient collective), and the next collective pairs.
 - ``last``: rank 1 skips the backward of its last batch and leaves the loop: it contributes
   zero to that step, as a rank out of data does; the parameters end equal on both ranks and
   equal to plain torch's over the same losses (a missing rank counts zero, the mean over 2).
@@ -48,14 +51,34 @@ def reference(skipped: dict[int, set[int]], lengths: dict[int, int]) -> list[lis
     return params(model)
 
 
+class Raising(torch.nn.Module):
+    """The test's model, whose forward raises on rank 1 at its 4th call (an OOM, a bad batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if lite.current().global_rank == 1 and self.calls == 4:
+            raise KeyError("rank 1 fails inside its forward")
+        return self.inner(x)
+
+
 result = {}
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) as run:
     rank = run.global_rank
-    cases = [("middle", {0: 6, 1: 6}, 3), ("eval", {0: 6, 1: 6}, -1), ("last", {0: 6, 1: 4}, 3)]
+    cases = [
+        ("middle", {0: 6, 1: 6}, 3),
+        ("eval", {0: 6, 1: 6}, -1),
+        ("raises", {0: 6, 1: 6}, -1),
+        ("last", {0: 6, 1: 4}, 3),
+    ]
     if strategy.startswith("deepspeed"):
         cases.append(("step", {0: 6, 1: 6}, 3))
     for case, lengths, skip_at in cases:
-        model = make_model()
+        model = Raising() if case == "raises" else make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         model, opt = lite.setup(model, opt)
         try:
@@ -73,7 +96,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) a
                         with torch.no_grad():
                             model(x)  # rank 0 alone peeks at its model
             result[case] = {"error": None}
-        except RuntimeError as e:
+        except (RuntimeError, KeyError) as e:
             result[case] = {"error": f"{type(e).__name__}: {e}"}
         result[case]["after"] = float(lite.all_reduce(torch.tensor(float(rank + 1)), op="sum"))
         if case == "last":

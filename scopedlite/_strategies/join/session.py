@@ -31,10 +31,12 @@ and what comes after the first rank ran out use the rounds.
 
 **Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
 the next batch. So when a round finds every rank at the same forward, none serves that step,
-and its rounds need not be waited for where they are opened: the backward's round is read at
-the next round; where the forward communicates nothing (DDP, ZeRO-1/2, from the third
+and where the forward communicates nothing (DDP, ZeRO-1/2) its rounds need not be waited for
+where they are opened: the backward's round is read at the next round, and (from the third
 training forward of the model in the block, without buffers to broadcast) the forward's is
 read before the backward, so the ranks' skew is waited out behind the forward's compute.
+Where the forward gathers parameters both are awaited: a rank whose forward raised midway
+could not answer the others' backward.
 DeepSpeed's collective step is announced as the backward is; lite.clip_gradients waits for
 its round. The backward's and step's rounds are still sent because a rank that does something
 else instead (skips them, leaves by an exception) must learn that the others are in their
@@ -188,6 +190,10 @@ class JoinSession:
         self._forwards_together: dict[int, int] = {}
         # model -> (forward number, outputs) of its last training forward while its backward is to come
         self._unanswered: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        # model -> number of its forward under way on this rank (until its outputs exist), and
+        # the input of its last forward that returned (to answer with, if this one raises)
+        self._under_way: dict[int, int] = {}
+        self._returned: dict[int, tuple[Any, Any]] = {}
         self._stack = contextlib.ExitStack()
 
     # -- the block ---------------------------------------------------------------------------------
@@ -220,6 +226,8 @@ class JoinSession:
         finally:
             self._drop_posted()
             self._unanswered.clear()
+            self._under_way.clear()
+            self._returned.clear()
             self.inputs.clear()
             self.outputs.clear()
             self._stack.close()
@@ -357,6 +365,10 @@ class JoinSession:
             seq, outputs = self._unanswered.get(said.model, (None, []))
             if said.kind == Kind.BACKWARD and seq == said.seq:
                 del self._unanswered[said.model]
+            elif said.kind == Kind.BACKWARD and self._under_way.get(said.model) == said.seq:
+                outputs = self._forward_again(said.model, said.sync)  # it raised before its outputs
+                if outputs is None:
+                    continue
             elif said.kind != Kind.STEP:
                 continue
             answered.add(said.key())
@@ -368,6 +380,23 @@ class JoinSession:
                     self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
             finally:
                 self.serving = False
+
+    def _forward_again(self, index: int, sync: bool) -> list[torch.Tensor] | None:
+        """This rank's forward of model ``index`` raised before its outputs existed, while the
+        others went on to its backward: run it again on the input of its last forward that
+        returned, to have outputs to answer that backward with. Only where a forward gathers
+        nothing (DDP, ZeRO-1/2: the others did not wait for this rank in it); None where there
+        is no such input."""
+        if index not in self._returned:
+            return None
+        args, kwargs = self._returned[index]
+        self.serving = True  # stored in self.outputs, as a replay's
+        try:
+            with _buffers_kept(self.hook.module(index)), torch.enable_grad():
+                self.hook.forward(index, args, kwargs, sync)
+        finally:
+            self.serving = False
+        return self.outputs.pop(self.forwards, None)
 
     def _refuse(self, problem: str | None) -> None:
         """Raise the verdict every rank reads from the same round, on every rank at once:
@@ -468,6 +497,7 @@ class JoinSession:
                 if any(o.needs >> index & 1 for o in round_.steps):
                     self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
+        self._under_way[index] = self.forwards
         if buffers:
             self.hook.sync_buffers(index, source)
 
@@ -491,6 +521,8 @@ class JoinSession:
 
     def after_forward(self, index: int, output: Any) -> Any:
         """Wrap the outputs that need a gradient in the announcing identity."""
+        if not self.serving:
+            self._under_way.pop(index, None)
         if not torch.is_grad_enabled():
             return output
         tensors: list[torch.Tensor] = []
@@ -507,6 +539,7 @@ class JoinSession:
         result = map_tensors(output, lambda t: next(taken) if t.requires_grad else t)
         if not self.serving and self.rounds:
             self._unanswered[index] = (self.forwards, wrapped)
+            self._returned[index] = self.inputs[index]
         if self.serving:
             # Kept until the backward of this forward is announced; a few forwards may come
             # before one backward, none is kept for ever.
@@ -534,10 +567,12 @@ class JoinSession:
         self._settle()
         if self.rounds:
             said = Step(Kind.BACKWARD, model=index, sync=sync, mask=mask, seq=seq)
-            if self.lean and len(self.events.pending) <= MAX_EVENTS:
+            if self.lean and not self.hook.forward_communicates and len(self.events.pending) <= MAX_EVENTS:
                 # Every rank ran this forward: its round is read at the next one, and waits
                 # for nothing here. It pairs with the next round of a rank that skips this
-                # backward, which refuses there (answering this backward first).
+                # backward, which refuses there (answering this backward first). Where the
+                # forward gathers parameters it is awaited: a rank whose forward raised
+                # midway could not answer it (see _answer_posted).
                 posted = dataclasses.replace(said, posted=True)
                 self._post(posted.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
             else:
