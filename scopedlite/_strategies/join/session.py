@@ -282,7 +282,6 @@ class JoinSession:
         # While every rank runs, the others may be in the gradient collectives of a forward this
         # rank ran too (they read this ABORT at their next round): it takes part in them.
         self._answer_posted(round_)
-        self._unanswered.clear()
 
     # -- rounds --------------------------------------------------------------------------------------
     def _open(self, said: Step) -> tuple[Callable[[], None], torch.Tensor]:
@@ -298,15 +297,22 @@ class JoinSession:
         wait()
         return Round(rows.view(self.world_size, LENGTH).tolist())
 
-    def _post(self, said: Step) -> None:
-        """Open a round without waiting for it; :meth:`_settle` reads it."""
-        self._posted = self._open(said)
+    def _post_or_announce(self, said: Step, may_post: bool) -> Round | None:
+        """A running rank's round: where ``may_post`` (and this rank's pending events fit in
+        one message), opened without waiting for it, marked ``posted`` and read by
+        :meth:`_settle` at the next round (None); else announced and awaited (its Round)."""
+        if not may_post or len(self.events.pending) > MAX_EVENTS:
+            return self._announce(said)
+        posted = dataclasses.replace(said, posted=True)
+        self._posted = self._open(posted.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
+        return None
 
     def _settle(self) -> None:
-        """Wait for the round a forward opened without waiting, and read it as any round.
+        """Wait for the round this rank opened without waiting (a forward's, a backward's or
+        a step's), and read it as any round.
 
-        Only a running rank's forward opens one, so this rank is one of the runners there
-        (a rank past the others at a forward is refused by the round itself).
+        Only a running rank opens one, so this rank is one of the runners there (a rank past
+        the others is refused by the round itself).
         """
         if self._posted is None:
             return
@@ -488,11 +494,9 @@ class JoinSession:
                 sync=self.hook.sync_flag(index),
                 buffers=buffers,
             )
-            self._settle()
-            if self._may_post(index, buffers):
-                self._post(said.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
-            else:
-                round_ = self._announce(said)
+            self._settle()  # the last round decides whether this one may be posted
+            round_ = self._post_or_announce(said, self._may_post(index, buffers))
+            if round_ is not None:
                 source = max(round_.runners)
                 if any(o.needs >> index & 1 for o in round_.steps):
                     self._exchange_example(index, (args, kwargs), min(round_.runners))
@@ -516,7 +520,6 @@ class JoinSession:
             and torch.is_grad_enabled()
             and self._forwards_together.get(index, 0) >= 2
             and index not in self._unanswered  # the last forward's backward ran (else: see _answer_posted)
-            and len(self.events.pending) <= MAX_EVENTS
         )
 
     def after_forward(self, index: int, output: Any) -> Any:
@@ -566,17 +569,13 @@ class JoinSession:
         self._unanswered.pop(index, None)
         self._settle()
         if self.rounds:
+            # Every rank ran this forward (lean): its round is read at the next one, and waits
+            # for nothing here. It pairs with the next round of a rank that skips this
+            # backward, which refuses there (answering this backward first). Where the forward
+            # gathers parameters it is awaited: a rank whose forward raised midway could not
+            # answer it (see _answer_posted).
             said = Step(Kind.BACKWARD, model=index, sync=sync, mask=mask, seq=seq)
-            if self.lean and not self.hook.forward_communicates and len(self.events.pending) <= MAX_EVENTS:
-                # Every rank ran this forward: its round is read at the next one, and waits
-                # for nothing here. It pairs with the next round of a rank that skips this
-                # backward, which refuses there (answering this backward first). Where the
-                # forward gathers parameters it is awaited: a rank whose forward raised
-                # midway could not answer it (see _answer_posted).
-                posted = dataclasses.replace(said, posted=True)
-                self._post(posted.with_events(self.events.take(MAX_EVENTS), True, self.ended, self._needs()))
-            else:
-                self._announce(said)
+            self._post_or_announce(said, self.lean and not self.hook.forward_communicates)
         return self.hook.output_scale(self.count)
 
     def before_step(self, index: int) -> None:
@@ -585,14 +584,8 @@ class JoinSession:
             return
         optimizer = self.optimizers[index] if index < len(self.optimizers) else None
         lr = self.events.check_lr(optimizer) if optimizer is not None else 0.0
-        said = Step(Kind.STEP, model=index, lr=lr)
-        self._settle()
-        if self.lean and len(self.events.pending) <= MAX_EVENTS:  # as a backward's (see before_backward)
-            self._post(
-                dataclasses.replace(said, posted=True).with_events(self.events.take(MAX_EVENTS), True, self.ended)
-            )
-        else:
-            self._announce(said)
+        self._settle()  # the last round decides whether this one may be posted
+        self._post_or_announce(Step(Kind.STEP, model=index, lr=lr), self.lean)  # as a backward's
 
     def clip_gradients(
         self,
