@@ -42,7 +42,7 @@ class Kind(IntEnum):
     """What a rank does next."""
 
     LEFT = 0  # out of the block: it serves the others until every rank is
-    FORWARD = 1  # a forward of model ``index``
+    FORWARD = 1  # forward ``seq`` of model ``index``
     BACKWARD = 2  # the backward of forward ``seq`` of model ``index``
     STEP = 3  # a collective optimizer step (DeepSpeed)
     CLIP = 4  # lite.clip_gradients
@@ -130,7 +130,7 @@ class Step:
     sync: bool = False  # FORWARD, BACKWARD: the backward synchronises gradients
     buffers: bool = False  # FORWARD: DDP broadcasts the buffers first
     mask: int = 0  # BACKWARD: which outputs received a gradient
-    seq: int = 0  # BACKWARD: which forward
+    seq: int = 0  # FORWARD: its number (the same on every rank); BACKWARD: which forward
     lr: float = 0.0  # STEP: the sum of the optimizer's learning rates
     max_norm: float | None = None  # CLIP
     clip_val: float | None = None  # CLIP
@@ -182,7 +182,7 @@ class Step:
     def describe(self) -> str:
         if self.kind == Kind.FORWARD:
             how = " without gradients" if not self.grad else " inside no_backward_sync" if not self.sync else ""
-            return f"a forward of model {self.model}{how}"
+            return f"forward #{self.seq} of model {self.model}{how}"
         if self.kind == Kind.BACKWARD:
             return f"the backward of forward #{self.seq} of model {self.model}"
         if self.kind == Kind.COLLECTIVE:

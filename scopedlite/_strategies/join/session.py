@@ -30,12 +30,13 @@ to run out (never, when all are equal). Loaders of unknown length, loops over an
 and what comes after the first rank ran out use the rounds.
 
 **Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
-the next batch. So when a round finds every rank at the same forward, none serves that step,
-and where the forward communicates nothing (DDP, ZeRO-1/2) its rounds need not be waited for
-where they are opened: the backward's round is read at the next round, and (from the third
-training forward of the model in the block, without buffers to broadcast) the forward's is
-read before the backward, so the ranks' skew is waited out behind the forward's compute.
-Where the forward gathers parameters both are awaited: a rank whose forward raised midway
+the next batch. So when a round finds every rank at the same step, none serves the next one,
+and where the forward communicates nothing (DDP, ZeRO-1/2) a training step needs one round,
+not waited for where it is opened: from the third training forward of the model in the block
+(without buffers to broadcast) the forward has no round of its own, and the backward's round,
+which names that forward, is read at the next round, so the ranks' skew is waited out behind
+a step's compute. A rank that serves and reads that backward runs the forward first. Where
+the forward gathers parameters both rounds are awaited: a rank whose forward raised midway
 could not answer the others' backward.
 DeepSpeed's collective step is announced as the backward is; lite.clip_gradients waits for
 its round. The backward's and step's rounds are still sent because a rank that does something
@@ -371,8 +372,11 @@ class JoinSession:
             seq, outputs = self._unanswered.get(said.model, (None, []))
             if said.kind == Kind.BACKWARD and seq == said.seq:
                 del self._unanswered[said.model]
-            elif said.kind == Kind.BACKWARD and self._under_way.get(said.model) == said.seq:
-                outputs = self._forward_again(said.model, said.sync)  # it raised before its outputs
+            elif said.kind == Kind.BACKWARD and (
+                self._under_way.get(said.model) == said.seq or said.seq > self.forwards
+            ):
+                # this rank's forward raised before its outputs existed, or it did not run it
+                outputs = self._forward_again(said.model, said.sync)
                 if outputs is None:
                     continue
             elif said.kind != Kind.STEP:
@@ -383,14 +387,16 @@ class JoinSession:
                 if said.kind == Kind.STEP:
                     self.hook.step(said.model)
                 else:
-                    self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
+                    with torch.enable_grad():  # it may refuse inside torch.no_grad()
+                        self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
             finally:
                 self.serving = False
 
     def _forward_again(self, index: int, sync: bool) -> list[torch.Tensor] | None:
-        """This rank's forward of model ``index`` raised before its outputs existed, while the
-        others went on to its backward: run it again on the input of its last forward that
-        returned, to have outputs to answer that backward with. Only where a forward gathers
+        """This rank's forward of model ``index`` raised before its outputs existed, or this
+        rank did something else instead (that forward had no round: see :meth:`_may_skip`),
+        while the others went on to its backward: run it on the input of this rank's last
+        forward that returned, to have outputs to answer that backward with. Only where a forward gathers
         nothing (DDP, ZeRO-1/2: the others did not wait for this rank in it); None where there
         is no such input."""
         if index not in self._returned:
@@ -486,33 +492,34 @@ class JoinSession:
         self.inputs[index] = (args, kwargs)
         buffers = self.hook.buffer_flag(index)
         source = self.world_size - 1
-        if self.rounds:
+        if self.rounds and not self._may_skip(index, buffers):
             said = Step(
                 Kind.FORWARD,
                 model=index,
                 grad=torch.is_grad_enabled(),
                 sync=self.hook.sync_flag(index),
                 buffers=buffers,
+                seq=self.forwards + 1,
             )
-            self._settle()  # the last round decides whether this one may be posted
-            round_ = self._post_or_announce(said, self._may_post(index, buffers))
-            if round_ is not None:
-                source = max(round_.runners)
-                if any(o.needs >> index & 1 for o in round_.steps):
-                    self._exchange_example(index, (args, kwargs), min(round_.runners))
+            round_ = self._announce(said)
+            source = max(round_.runners)
+            if any(o.needs >> index & 1 for o in round_.steps):
+                self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
         self._under_way[index] = self.forwards
         if buffers:
             self.hook.sync_buffers(index, source)
 
-    def _may_post(self, index: int, buffers: bool) -> bool:
-        """Whether the round of this forward may be read after it: every rank ran the last
-        step (lean), and the forward communicates nothing: no buffers, no gathered
-        parameters, and not DDP's one-time bucket rebuild (a broadcast in the first training
-        forward after the first backward: from the third training forward in the block on,
-        it is behind). Every rank then also holds an input of this model (no example to
-        send). A forward that communicates waits for its round: a rank that refuses or left
-        by an exception there would leave the others alone in its collective."""
+    def _may_skip(self, index: int, buffers: bool) -> bool:
+        """Whether this forward needs no round of its own: every rank ran the last step
+        (lean), and the forward communicates nothing: no buffers, no gathered parameters,
+        and not DDP's one-time bucket rebuild (a broadcast in the first training forward
+        after the first backward: from the third training forward in the block on, it is
+        behind). Every rank then also holds an input of this model (no example to send).
+        Its backward's round tells the others of it: a serving rank runs the forward then
+        (:meth:`_replay_forward`). A forward that communicates has its round first: a rank
+        that refuses or left by an exception there would leave the others alone in its
+        collective."""
         return (
             self.lean
             and not buffers
@@ -520,6 +527,7 @@ class JoinSession:
             and torch.is_grad_enabled()
             and self._forwards_together.get(index, 0) >= 2
             and index not in self._unanswered  # the last forward's backward ran (else: see _answer_posted)
+            and self.hook.divide  # else the backward's divisor is the number running: this round tells it
         )
 
     def after_forward(self, index: int, output: Any) -> Any:
@@ -678,21 +686,22 @@ class JoinSession:
             if any(o.needs >> step.model & 1 for o in round_.steps):
                 example = self._exchange_example(step.model, None, min(round_.runners))
                 self.inputs.setdefault(step.model, example)
-            args, kwargs = self.inputs[step.model]
-            self.forwards += 1
             if step.buffers:  # the running ranks' buffers, as DDP under torch's Join
                 self.hook.sync_buffers(step.model, max(round_.runners))
-            with _buffers_kept(self.hook.module(step.model)), torch.set_grad_enabled(step.grad):
-                self.hook.forward(step.model, args, kwargs, step.sync)
+            self._replay_forward(step.model, step.seq, step.grad, step.sync)
         elif step.kind == Kind.BACKWARD:
             outputs = self.outputs.pop(step.seq, None)
             if outputs is None and self._unanswered.get(step.model, (None,))[0] == step.seq:
                 outputs = self._unanswered.pop(step.model)[1]  # its own last forward, left without a backward
+            elif outputs is None and step.seq > self.forwards:  # the forward had no round (lean): run it now
+                self._replay_forward(step.model, step.seq, True, step.sync)
+                outputs = self.outputs.pop(step.seq, None)
             chosen = [t for i, t in enumerate(outputs or []) if step.mask >> i & 1]
             keep_own = step.sync and self.own_unsynced[step.model]
             if step.sync:
                 self.own_unsynced[step.model] = False
-            self.hook.backward(step.model, chosen, step.sync, keep_own)
+            with torch.enable_grad():  # it may serve inside torch.no_grad() (a collective after its loop)
+                self.hook.backward(step.model, chosen, step.sync, keep_own)
         elif step.kind == Kind.STEP:
             if step.model < len(self.optimizers):
                 self.events.compare_lr(self.optimizers[step.model], step.lr, self.rank)
@@ -703,6 +712,14 @@ class JoinSession:
         elif step.kind == Kind.COLLECTIVE:
             self.collectives.serve(round_)
         # PASS, EVENTS: the round was all
+
+    def _replay_forward(self, index: int, seq: int, grad: bool, sync: bool) -> None:
+        """Run forward number ``seq`` of model ``index`` as the running ranks did, on this
+        rank's cached input; its outputs wait in ``self.outputs`` for their backward."""
+        args, kwargs = self.inputs[index]
+        self.forwards = seq
+        with _buffers_kept(self.hook.module(index)), torch.set_grad_enabled(grad):
+            self.hook.forward(index, args, kwargs, sync)
 
     def _check_schedulers(self, round_: Round) -> None:
         """Every rank has left: its schedulers must have stepped as often as everyone's."""
