@@ -31,20 +31,25 @@ and what comes after the first rank ran out use the rounds.
 
 **Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
 the next batch. So when a round finds every rank at the same step, none serves the next one,
-and where the forward communicates nothing (DDP, ZeRO-1/2) a training step needs one round,
-not waited for where it is opened: from the third training forward of the model in the block
-(without buffers to broadcast) the forward has no round of its own, and the backward's round,
-which names that forward, is read at the next round, so the ranks' skew is waited out behind
-a step's compute. A rank that serves and reads that backward runs the forward first. Where
-the forward gathers parameters both rounds are awaited: a rank whose forward raised midway
-could not answer the others' backward.
-DeepSpeed's collective step is announced as the backward is; lite.clip_gradients waits for
-its round. The backward's and step's rounds are still sent because a rank that does something
-else instead (skips them, leaves by an exception) must learn that the others are in their
-collectives: it reads their round in its own next one, runs that backward with zero gradients
-(or that step) so that they get out
-(:meth:`JoinSession._answer_posted`), and then refuses, or aborts, as they do at
-their next round. The first round that finds a rank left, waiting or serving makes every rank
+and from the third training forward of a model in the block (without buffers to broadcast)
+its rounds need not be waited for where they are opened:
+
+- where the forward gathers nothing (DDP, ZeRO-1/2) a training step has one round, the
+  backward's, posted: the forward has none, the backward's names it, and a rank that serves
+  and reads it runs that forward first;
+- where the forward gathers parameters (FSDP, ZeRO-3, model_parallel) the forward's round is
+  posted before its gathers and read before the backward, whose round is awaited: a rank
+  whose forward raised midway could not answer the others' backward;
+- DeepSpeed's collective step is posted as a backward is; lite.clip_gradients waits for its
+  round.
+
+A posted round is read at the next round, so the ranks' skew is waited out behind a step's
+compute. Posted rounds are still sent because a rank that does something else instead (skips
+a backward or a step, evaluates alone, leaves by an exception) must learn that the others are
+in their collectives: it reads their round in its own next one and runs that forward, that
+backward with zero gradients, or that step so that they get out
+(:meth:`JoinSession._answer_posted`), and then refuses, or aborts, as they do at their next
+round. The first round that finds a rank left, waiting or serving makes every rank
 wait for its rounds again (they all read the same rounds).
 
 **Replicas.** Under ``model_parallel`` the tensor-parallel ranks of a data-parallel replica
@@ -357,12 +362,12 @@ class JoinSession:
         return round_
 
     def _answer_posted(self, round_: Round) -> None:
-        """A rank that announced a backward (or DeepSpeed's collective step) of a step this
-        rank ran too without waiting for its round (every rank ran that step's forward) is in
-        its collectives already. This rank, which will not run it (it refuses the round, or
-        leaves by an exception), runs it as a serving rank would - the backward with zero
-        gradients, the step with the reduced ones - so that the other gets out and reads the
-        same verdict at its next round."""
+        """A rank that posted its round (a forward that gathers parameters, a backward, or
+        DeepSpeed's collective step: see "Lean while every rank runs") is in its collectives
+        already. This rank, which will not run that step (it refuses the round, or leaves by
+        an exception), runs it as a serving rank would - the forward on its cached input, the
+        backward with zero gradients, the step with the reduced ones - so that the other gets
+        out and reads the same verdict at its next round."""
         mine = round_.steps[self.rank]
         answered = set()
         for r in round_.runners:
@@ -370,6 +375,15 @@ class JoinSession:
             if r == self.rank or not said.posted or said.key() == mine.key() or said.key() in answered:
                 continue
             seq, outputs = self._unanswered.get(said.model, (None, []))
+            if said.kind == Kind.FORWARD:  # it gathers parameters: this rank gathers with it
+                self.serving = True
+                try:
+                    self._replay_forward(said.model, said.seq, said.grad, said.sync)
+                finally:
+                    self.serving = False
+                self.outputs.pop(said.seq, None)
+                answered.add(said.key())
+                continue
             if said.kind == Kind.BACKWARD and seq == said.seq:
                 del self._unanswered[said.model]
             elif said.kind == Kind.BACKWARD and (
@@ -394,7 +408,7 @@ class JoinSession:
 
     def _forward_again(self, index: int, sync: bool) -> list[torch.Tensor] | None:
         """This rank's forward of model ``index`` raised before its outputs existed, or this
-        rank did something else instead (that forward had no round: see :meth:`_may_skip`),
+        rank did something else instead (that forward had no round: see :meth:`_lean_forward`),
         while the others went on to its backward: run it on the input of this rank's last
         forward that returned, to have outputs to answer that backward with. Only where a forward gathers
         nothing (DDP, ZeRO-1/2: the others did not wait for this rank in it); None where there
@@ -492,7 +506,8 @@ class JoinSession:
         self.inputs[index] = (args, kwargs)
         buffers = self.hook.buffer_flag(index)
         source = self.world_size - 1
-        if self.rounds and not self._may_skip(index, buffers):
+        lean = self._lean_forward(index, buffers)
+        if self.rounds and not (lean and not self.hook.forward_communicates and self.hook.divide):
             said = Step(
                 Kind.FORWARD,
                 model=index,
@@ -501,33 +516,37 @@ class JoinSession:
                 buffers=buffers,
                 seq=self.forwards + 1,
             )
-            round_ = self._announce(said)
-            source = max(round_.runners)
-            if any(o.needs >> index & 1 for o in round_.steps):
-                self._exchange_example(index, (args, kwargs), min(round_.runners))
+            self._settle()  # the last round decides whether this one may be posted
+            round_ = self._post_or_announce(said, lean and self._lean_forward(index, buffers))
+            if round_ is not None:
+                source = max(round_.runners)
+                if any(o.needs >> index & 1 for o in round_.steps):
+                    self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
         self._under_way[index] = self.forwards
         if buffers:
             self.hook.sync_buffers(index, source)
 
-    def _may_skip(self, index: int, buffers: bool) -> bool:
-        """Whether this forward needs no round of its own: every rank ran the last step
-        (lean), and the forward communicates nothing: no buffers, no gathered parameters,
-        and not DDP's one-time bucket rebuild (a broadcast in the first training forward
-        after the first backward: from the third training forward in the block on, it is
-        behind). Every rank then also holds an input of this model (no example to send).
-        Its backward's round tells the others of it: a serving rank runs the forward then
-        (:meth:`_replay_forward`). A forward that communicates has its round first: a rank
-        that refuses or left by an exception there would leave the others alone in its
-        collective."""
+    def _lean_forward(self, index: int, buffers: bool) -> bool:
+        """Whether this forward's round may be read after it: every rank ran the last step
+        (lean), and the forward broadcasts nothing: no buffers, and not DDP's one-time bucket
+        rebuild (a broadcast in the first training forward after the first backward: from
+        the third training forward in the block on, it is behind). Every rank then also
+        holds an input of this model (no example to send).
+
+        Where the forward gathers nothing (DDP, ZeRO-1/2) it then has no round at all: its
+        backward's round tells the others of it, and a serving rank runs the forward then
+        (:meth:`_replay`) - but with ``divide_by_initial_world_size=False``, where the
+        backward's divisor is the number of ranks running, which this round tells. Where it
+        gathers parameters (FSDP, ZeRO-3, model_parallel) its round is posted before the
+        gathers; a rank that refuses it, or left by an exception, runs that forward to answer
+        it (:meth:`_answer_posted`), and the poster reads the verdict before its backward."""
         return (
             self.lean
             and not buffers
-            and not self.hook.forward_communicates
             and torch.is_grad_enabled()
             and self._forwards_together.get(index, 0) >= 2
             and index not in self._unanswered  # the last forward's backward ran (else: see _answer_posted)
-            and self.hook.divide  # else the backward's divisor is the number running: this round tells it
         )
 
     def after_forward(self, index: int, output: Any) -> Any:
