@@ -309,9 +309,6 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
         return ddp_method(self, inner, name)
 
 
-_VIEW_CLASSES: dict[tuple[type, type], type] = {}
-
-
 def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView]) -> torch.nn.Module:
     """Swap ``wrapper``'s class for ``view`` (a subclass of :class:`UserModelView` and of the
     wrapper's class) once the wrapper is fully built; returns the same object. The class is
@@ -322,10 +319,8 @@ def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView]) -
     return wrapper
 
 
+@functools.cache
 def view_class(wrapper_class: type[torch.nn.Module], mixin: type[UserModelView], name: str) -> type[UserModelView]:
-    """The (cached) subclass of ``wrapper_class`` with ``mixin`` mixed in, for wrapper classes
-    imported only when a run uses them (a DeepSpeed engine)."""
-    key = (wrapper_class, mixin)
-    if key not in _VIEW_CLASSES:
-        _VIEW_CLASSES[key] = type(name, (mixin, wrapper_class), {"__module__": mixin.__module__})
-    return _VIEW_CLASSES[key]  # type: ignore[return-value]
+    """The subclass of ``wrapper_class`` with ``mixin`` mixed in, for wrapper classes imported
+    only when a run uses them (a DeepSpeed engine); made once per process, as any class is."""
+    return type(name, (mixin, wrapper_class), {"__module__": mixin.__module__})  # type: ignore[return-value]

@@ -2,7 +2,9 @@
 knows about the objects it set up lives in its own registry, which starts empty and is empty
 again when the block ends, and nothing of ours is left on the user's module, on what setup
 returned (torch's DDP module, a DeepSpeed engine) or on the user's optimizer. The models and
-optimizers are kept past their block, as a notebook's namespace keeps them.
+optimizers are kept past their block, as a notebook's namespace keeps them. Each block starts
+as cleanly as the first: of the process-wide state (_core/process.py) it sees only its own
+open block and no stop request, and no store of an earlier run is left.
 
 argv: strategy
 """
@@ -13,6 +15,8 @@ import torch
 
 import scopedlite as lite
 from _common import from_every_rank, write
+from scopedlite._comm.distributed import run_store
+from scopedlite._core.process import this_process
 
 
 class Net(torch.nn.Module):
@@ -53,12 +57,17 @@ for _block in range(3):
                 "started_empty": started_empty,
                 "models": [m is model for m in registry.models()],
                 "site_known": registry.site_of(net) is not None and registry.site_of(model) is not None,
+                "open_launches": len(this_process.open_launches.here()),
+                "stop_requested": this_process.stop_request.is_set(),
+                "blocks_entered": this_process.blocks_entered(),
             }
         )
     blocks.append(
         {
             "during": during,
             "empty_after": registry.is_empty(),
+            "open_launches_after": len(this_process.open_launches.here()),
+            "store_after": run_store() is not None,
             "ours_on_model": ours(model),
             "ours_on_user_module": ours(net),
             "ours_on_optimizer": ours(opt),
