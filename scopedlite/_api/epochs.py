@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler, forward_epoch
 from scopedlite._api.seed import Seeding, current_seeding
+from scopedlite._core.process import this_process
 from scopedlite._core.run import Run
-from scopedlite._launch.history import blocks_entered
 
 __all__ = ["EpochBook", "PassCount", "book_of", "epoch_holders", "hand_epoch"]
 
@@ -118,7 +118,7 @@ _books: contextvars.ContextVar[EpochBook | None] = contextvars.ContextVar("scope
 def book_of(run: Run) -> EpochBook:
     """The epoch book of ``run``: a fresh one for each launch block and each use of the
     default run."""
-    stretch = None if run.launched else blocks_entered()
+    stretch = None if run.launched else this_process.blocks_entered()
     book = _books.get()
     if book is None or book.run is not run or book.stretch != stretch:
         book = EpochBook(run, stretch)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -17,19 +16,17 @@ from scopedlite._strategies.abilities import SupportsJointSetup, SupportsModelBa
 
 __all__ = ["backward", "clip_gradients", "setup", "setup_module", "setup_optimizers", "to_device"]
 
-# Which modules were set up in which launched run (its strategy object, one per launch block),
-# and where. Setting the same module up twice in one run wraps it twice (two DDP reducers on
-# one set of parameters), and the ranks then hang in their first collective.
-_set_up: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
-
 
 def _refuse_second_setup(module: torch.nn.Module) -> None:
+    """Setting the same module up twice in one launched run wraps it twice (two DDP reducers
+    on one set of parameters), and the ranks then hang in their first collective. Where each
+    module was set up is in the run's registry (``_strategies/set_up.py``)."""
     run = current()
-    seen = _set_up.get(module)
-    if run.launched and seen is not None and seen[0]() is run.strategy:
+    site = run.strategy.set_up.site_of(module) if run.launched else None
+    if site is not None:
         raise RuntimeError(
             f"lite.setup got a {type(module).__name__} that was already set up in this run "
-            f"(at {seen[1]}). Set a model up once per launch block and keep what setup "
+            f"(at {site}). Set a model up once per launch block and keep what setup "
             "returned: `model = lite.setup(model)` (or `model, opt = lite.setup(model, opt)`), "
             "then use `model` from there on."
         )
@@ -40,7 +37,7 @@ def _remember_setup(*modules: torch.nn.Module) -> None:
     if run.launched:
         site = call_site()
         for module in modules:
-            _set_up[module] = (weakref.ref(run.strategy), site)
+            run.strategy.set_up.note_site(module, site)
 
 
 def setup_module(module: torch.nn.Module) -> torch.nn.Module:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from scopedlite._cluster.environments import World
 from scopedlite._comm.payloads import keep
 from scopedlite._comm.wire import DTYPES, MAX_DIMS, TORCH_OPS, from_bytes, to_bytes, wire_dtype
+from scopedlite._core.process import this_process
 from scopedlite._private.torch_internals import (
     default_store,
     forget_dtensor_shardings,
@@ -244,22 +245,22 @@ def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[
     return True
 
 
-# The groups of every run this process ended, held for as long as it lives. A user object may
-# keep one past its run (a DDP model in a notebook's namespace: its reducer holds the group);
-# a worker forked for a later block inherits that object, and were the worker to drop it, the
-# group's destructor would wait on the gloo threads of the parent, which a child does not have:
-# the worker hangs (a notebook cell that assigns `model` again in a second launch block). Held
-# here, no forked copy is ever the last owner. Each costs the parent a few idle threads. Not for
-# NCCL: a run on it used CUDA, after which launch refuses to fork. Each is held with the pid of
-# the process that retired it, and let go by that process at its exit (``_let_go_at_exit``).
-_RETIRED_GROUPS: list[tuple[int, Any]] = []
-
-
 def retire_groups() -> None:
-    """Hold this run's groups for the life of the process (see ``_RETIRED_GROUPS``); call it
-    before the default group is destroyed, by us or by a library (DeepSpeed)."""
+    """Hold this run's groups for the life of the process; call it before the default group
+    is destroyed, by us or by a library (DeepSpeed).
+
+    A user object may keep a group past its run (a DDP model in a notebook's namespace: its
+    reducer holds it); a worker forked for a later block inherits that object, and were the
+    worker to drop it, the group's destructor would wait on the gloo threads of the parent,
+    which a child does not have: the worker hangs (a notebook cell that assigns ``model`` again
+    in a second launch block). Held by the process (``this_process.retired_groups``,
+    ``_core/process.py``), no forked copy is ever the last owner. Each costs the parent a few
+    idle threads. Not for NCCL: a run on it used CUDA, after which launch refuses to fork. Each
+    is held with the pid of the process that retired it, and let go by that process at its
+    exit (``_let_go_at_exit``).
+    """
     if dist.is_initialized() and "nccl" not in str(dist.get_backend()):  # NCCL: fork is refused
-        _RETIRED_GROUPS.extend((os.getpid(), group) for group in live_process_groups())
+        this_process.retired_groups.extend((os.getpid(), group) for group in live_process_groups())
 
 
 @atexit.register
@@ -274,7 +275,8 @@ def _let_go_at_exit() -> None:
     threads) and lets go of its own.
     """
     pid = os.getpid()
-    _RETIRED_GROUPS[:] = [(owner, group) for owner, group in _RETIRED_GROUPS if owner != pid]
+    held = this_process.retired_groups
+    held[:] = [(owner, group) for owner, group in held if owner != pid]
 
 
 def destroy_process_group() -> None:

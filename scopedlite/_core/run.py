@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import datetime
-import os
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scopedlite._core.precision import Precision
+from scopedlite._core.process import this_process
 
 if TYPE_CHECKING:
     from scopedlite._strategies.base import Strategy
@@ -116,36 +115,8 @@ class Run(Placement):
 launch_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.launch", default=None)
 
 
-class _OpenLaunches:
-    """The launch blocks open in this process, in any thread.
-
-    Threads and executors start with empty context variables, so a thread started inside a
-    launch block does not see ``launch_var``. When exactly one block is open in the process,
-    that is the run such a thread belongs to; with two open (launch blocks in two threads), a
-    thread that carries neither cannot tell which, and :func:`active_launch` refuses. This is
-    the one piece of process-wide state beside the context variables, and it only ever holds
-    the blocks that are open now.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open: list[tuple[int, Any]] = []  # (pid, scope): a forked child inherits the list
-
-    def add(self, scope: Any) -> None:
-        with self._lock:
-            self._open.append((os.getpid(), scope))
-
-    def remove(self, scope: Any) -> None:
-        with self._lock:
-            self._open = [(pid, s) for pid, s in self._open if s is not scope and pid == os.getpid()]
-
-    def here(self) -> list[Any]:
-        pid = os.getpid()
-        with self._lock:
-            return [s for p, s in self._open if p == pid]
-
-
-launches = _OpenLaunches()
+# The launch blocks open in this process, in any thread (process-wide: process.py).
+launches = this_process.open_launches
 
 
 def active_launch() -> Any:

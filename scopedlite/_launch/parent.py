@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.distributed import START_TIMEOUT_ENV, ready_key, start_timeout
+from scopedlite._core.process import this_process
 from scopedlite._core.run import Run
 from scopedlite._hardware.machine import Machine
-from scopedlite._launch import history
 from scopedlite._launch.output import HeldLines, install_rank_prefix
 from scopedlite._launch.role import Role, stop_quietly
 from scopedlite._launch.signals import stop_requested
@@ -79,7 +79,7 @@ class Parent(Role):
                 workers = start_script_workers(
                     n, self.store.port, secrets.token_hex(8), self.identity, self.error_dir, threads
                 )
-            history.mark_launched()
+            this_process.launched = True
             self.supervisor = Supervisor(workers, self.error_dir)
             self.supervisor.start()
         except BaseException:

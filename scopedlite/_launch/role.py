@@ -22,9 +22,9 @@ import torch
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
 from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier, store_connection
+from scopedlite._core.process import this_process
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
-from scopedlite._launch import history
 from scopedlite._launch.signals import SignalWatch, StopSignals
 from scopedlite._launch.start import threads_per_process
 from scopedlite._launch.watchdog import Diagnosis, HangWatchdog, Limits
@@ -135,7 +135,7 @@ class Role(ABC):
         store = store_connection(world) if run.world_size > 1 and limits.active else None
         if store is None:
             return
-        prefix = f"scopedlite/watch/{history.blocks_entered()}"
+        prefix = f"scopedlite/watch/{this_process.blocks_entered()}"
         self.watchdog = HangWatchdog(
             run.global_rank, run.world_size, store, prefix, limits, stop_seen, end_run, exits_itself
         ).start()

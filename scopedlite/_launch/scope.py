@@ -25,12 +25,12 @@ from typing import Any
 
 from scopedlite._cluster.environments import ENV
 from scopedlite._core import run as _run
+from scopedlite._core.process import describe_identity, this_process
 from scopedlite._core.run import Run
 from scopedlite._core.scope import Scope, ScopeError
 from scopedlite._hardware.machine import Machine
 from scopedlite._io.background import BackgroundSaves
 from scopedlite._io.files import CheckpointError
-from scopedlite._launch import history
 from scopedlite._launch.parent import Parent
 from scopedlite._launch.role import External, Role, Solo
 from scopedlite._launch.worker import WORKER_VARIABLES, Worker
@@ -67,7 +67,7 @@ class _Launch(Scope[Run]):
                 f"({_run.launch_var.get().describe()}); launch blocks do not nest. Close the "
                 "first block before starting the next."
             )
-        identity = history.enter(self._site)
+        identity = this_process.enter(self._site)
         env: dict[str, str] = dict(os.environ)
         # A worker of ours is the main process's own child. A process that only inherited a
         # worker's variables (a script that rank 1 started) is not one.
@@ -76,11 +76,11 @@ class _Launch(Scope[Run]):
             # A worker of ours passing a launch before the one that started it: the parent
             # ran that block as one process, so the worker does the same.
             env = {k: v for k, v in env.items() if k not in WORKER_VARIABLES}
-        plan = resolve(**self._arguments, env=env, machine=Machine.probe(launched_before=history.launched_before()))
+        plan = resolve(**self._arguments, env=env, machine=Machine.probe(launched_before=this_process.launched))
         if is_worker and ENV.TOKEN not in env and plan.world_size > 1:
             raise RuntimeError(
                 f"This worker was started by the launch at "
-                f"{history.describe_identity(os.environ.get(ENV.SITE, ''))} but reached "
+                f"{describe_identity(os.environ.get(ENV.SITE, ''))} but reached "
                 f"{self.describe()} first, a multi-process block the main process did not start "
                 "workers for. Every multi-process launch block must come after the first one in "
                 "the script, or live in its own script."

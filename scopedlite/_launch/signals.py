@@ -32,11 +32,9 @@ import signal
 import threading
 from typing import Any, Callable
 
-__all__ = ["SignalWatch", "StopSignals", "stop_requested"]
+from scopedlite._core.process import this_process
 
-# Signals are delivered to the process, so the request is process state, not a scope.
-_requested = threading.Event()
-_received = [0]
+__all__ = ["SignalWatch", "StopSignals", "stop_requested"]
 
 # "Rank 0 was asked to stop": a real-time signal nothing else uses. Where there is none
 # (macOS), SIGTERM itself is forwarded, as before.
@@ -50,6 +48,7 @@ class StopSignals:
         self._forward = forward
         self._previous: Any = None
         self._installed = False
+        self._received = 0  # SIGTERMs during this block
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -66,26 +65,27 @@ class StopSignals:
                 # ours alone: a request arriving late (the block is over) must not kill
                 signal.signal(STOP_REQUEST_SIGNAL, signal.SIG_IGN)
             self._installed = False
-        _requested.clear()
-        _received[0] = 0
+        # Signals are delivered to the process: the request is process state (_core/process.py)
+        this_process.stop_request.clear()
+        self._received = 0
 
     def _handle(self, signum: int, frame: Any) -> None:
-        _received[0] += 1
-        if self._forward is not None and _received[0] == 1:
+        self._received += 1
+        if self._forward is not None and self._received == 1:
             self._forward(STOP_REQUEST_SIGNAL)  # a second SIGTERM: the launcher ends them all
-        if _received[0] == 1:
-            _requested.set()
+        if self._received == 1:
+            this_process.stop_request.set()
             return
         raise SystemExit(128 + signum)
 
     def _handle_request(self, signum: int, frame: Any) -> None:
         """The main process forwarded a stop request: like a first SIGTERM, never a second."""
-        _requested.set()
+        this_process.stop_request.set()
 
 
 def stop_requested() -> bool:
     """Whether this process received a SIGTERM during the open launch block."""
-    return _requested.is_set()
+    return this_process.stop_request.is_set()
 
 
 class SignalWatch:

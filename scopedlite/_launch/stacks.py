@@ -12,7 +12,9 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from scopedlite._core.process import this_process
 
 __all__ = [
     "STACK_SIGNAL",
@@ -24,7 +26,6 @@ __all__ = [
 ]
 
 STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
-_open_files: list[IO[str]] = []
 
 
 class CollectiveTimeoutError(TimeoutError):
@@ -75,7 +76,7 @@ def stack_file(error_dir: Path, rank: int) -> Path:
 def enable_stack_dumps(path: Path) -> None:
     """In a worker: dump all threads' stacks to ``path`` when STACK_SIGNAL arrives."""
     handle = open(path, "w")  # noqa: SIM115 - kept open for the life of the worker
-    _open_files.append(handle)
+    this_process.stack_files.append(handle)
     faulthandler.register(STACK_SIGNAL, file=handle, all_threads=True)
 
 

@@ -25,6 +25,7 @@ from scopedlite._core.init import on_device, skip_init
 from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._io.pretrained import PretrainedWeights
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
+from scopedlite._strategies.set_up import SetUpObjects
 from scopedlite._strategies.weights import load_weights
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class Strategy(ABC):
     launcher: ClassVar[str | None] = None
 
     placement: Placement
+    # What this run set up (set_up.py): the one registry of the objects it handled, weakly.
+    set_up: SetUpObjects
 
     @property
     def comm_device(self) -> torch.device:
@@ -90,10 +93,22 @@ class Strategy(ABC):
 
     @abstractmethod
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
-        """Bring the strategy up at ``placement`` (e.g. create the process group)."""
+        """Bring the strategy up at ``placement`` (e.g. create the process group); its first
+        step is :meth:`place`."""
 
-    def stop(self) -> None:  # noqa: B027 - nothing to release unless start acquired it
-        """Release what :meth:`start` acquired. Must be safe to call after a failure."""
+    def place(self, placement: Placement) -> None:
+        """The first step of every :meth:`start`: the run's place, and its empty registry."""
+        self.placement = placement
+        self.set_up = SetUpObjects()
+
+    def stop(self) -> None:
+        """Release what :meth:`start` acquired. Must be safe to call after a failure.
+
+        Overrides call this first: the run's registry ends, undoing what the run changed on the
+        user's objects (``set_up.py``)."""
+        set_up = vars(self).get("set_up")  # absent where start failed before placing the run
+        if set_up is not None:
+            set_up.end()
 
     def block_body_ended(self) -> None:  # noqa: B027 - only strategies whose ranks wait on each other care
         """This rank has run the whole body of its launch block and waits for the others at

@@ -77,7 +77,7 @@ class ProcessGroupStrategy(Strategy):
         """Bind this process's GPU (if any) and create the run's process group, or join the
         default group that existed before launch."""
         assert rendezvous is not None, f"strategy={self.name!r} needs a rendezvous"
-        self.placement = placement
+        self.place(placement)
         existing = rendezvous.world.is_existing_group  # made before launch: joined, kept
         if existing:
             self._backend = _distributed.adopt_existing_group(
@@ -99,6 +99,7 @@ class ProcessGroupStrategy(Strategy):
             )
 
     def stop(self) -> None:
+        super().stop()
         self._join_group = None
         _distributed.destroy_process_group()
 

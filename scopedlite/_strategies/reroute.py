@@ -1,10 +1,14 @@
-"""Rerouting ``optimizer.step()`` on the instance, for strategies that must own the step.
+"""Rerouting an optimizer's methods on the instance, for strategies that must own the step.
 
 Users keep calling ``optimizer.step()`` on the optimizer ``setup`` returned. When a loss
 scaler or an engine must take the step instead, the call is rerouted on the instance (not
 wrapped in another object), so the optimizer stays an instance of its own class and LR
 schedulers built on it keep working. The scaler or engine then calls ``optimizer.step()``
 itself: that inner call reaches the optimizer's real step.
+
+The optimizer is the user's: each reroute lasts for the run only. The run's registry
+(``set_up.py``) gives the optimizer its own methods back when the run ends, so an optimizer set
+up again in a later launch block is rerouted from its own step, not from a rerouted one.
 """
 
 from __future__ import annotations
@@ -14,20 +18,44 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["reroute_step"]
+from scopedlite._strategies.set_up import SetUpObjects
+
+__all__ = ["replace_method", "reroute_step"]
+
+
+def replace_method(
+    optimizer: torch.optim.Optimizer, name: str, function: Callable[..., Any], set_up: SetUpObjects
+) -> None:
+    """Make ``optimizer.<name>`` call ``function(optimizer, ...)`` until the run of ``set_up``
+    ends; then the attribute the instance had before (usually none: its class's method) is back."""
+    had = name in vars(optimizer)
+    before = vars(optimizer).get(name)
+    ours = types.MethodType(function, optimizer)
+    setattr(optimizer, name, ours)
+
+    def undo() -> None:
+        if vars(optimizer).get(name) is not ours:
+            return  # replaced again since, by someone else: theirs stays
+        if had:
+            setattr(optimizer, name, before)
+        else:
+            delattr(optimizer, name)
+
+    set_up.at_end(undo)
 
 
 def reroute_step(
-    optimizer: torch.optim.Optimizer, take_step: Callable[[], Any], closure_error: str
+    optimizer: torch.optim.Optimizer, take_step: Callable[[], Any], closure_error: str, set_up: SetUpObjects
 ) -> Callable[[], bool]:
-    """Make ``optimizer.step()`` call ``take_step()`` instead.
+    """Make ``optimizer.step()`` call ``take_step()`` instead, for the run of ``set_up``.
 
     Args:
-        optimizer: The user's optimizer, changed in place.
+        optimizer: The user's optimizer, changed in place until the run ends.
         take_step: What a user's ``optimizer.step()`` does now; calls to ``optimizer.step``
             made while it runs reach the real step.
         closure_error: The message of the ``ValueError`` raised for ``step(closure)``, which
             cannot be honoured when someone else takes the step.
+        set_up: The run's registry, which undoes the reroute when the run ends.
 
     Returns:
         A function telling whether ``take_step`` is running (for other rerouted methods).
@@ -46,5 +74,5 @@ def reroute_step(
         finally:
             inside[0] = False
 
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+    replace_method(optimizer, "step", step, set_up)
     return lambda: inside[0]

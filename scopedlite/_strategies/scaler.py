@@ -16,6 +16,7 @@ from scopedlite._strategies.reroute import reroute_step
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
+    from scopedlite._strategies.set_up import SetUpObjects
 
 __all__ = ["GradientScaling", "ScaledBackward"]
 
@@ -39,7 +40,8 @@ class GradientScaling:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, set_up: SetUpObjects) -> torch.optim.Optimizer:
+        """``optimizer`` with its step through the scaler, for the run of ``set_up``."""
         if self.scaler is None:
             return optimizer
         scaler = self.scaler
@@ -55,6 +57,7 @@ class GradientScaling:
             "optimizer.step(closure) cannot be used with precision='16-mixed': the loss scaler "
             "must see the gradients before the step. Call lite.backward(loss) and then "
             "optimizer.step() without a closure.",
+            set_up,
         )
         return optimizer
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -34,6 +34,9 @@ from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.ddp.unused import forward_naming_unused
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
 from scopedlite._strategies.method_results import on_backward
+
+if TYPE_CHECKING:
+    from scopedlite._strategies.lockstep import Nesting
 
 __all__ = [
     "SAVING_METHODS",
@@ -110,18 +113,24 @@ def user_owns(inner: torch.nn.Module, name: str) -> bool:
 class UserModelView(torch.nn.Module):
     """Mixed in before a wrapper class (see the module docstring); never instantiated alone.
 
+    Nothing is stored on the wrapper's instance: what differs between wrappers is answered by
+    the view's class (:attr:`lite_always_through_forward`, :meth:`_lite_nesting`).
+
     Attributes:
         lite_always_through_forward: Run the user's methods through the wrapper's forward
             even with gradients disabled (ZeRO-3: parameters must be gathered for any use).
             Otherwise they go through forward only when gradients are enabled (DeepSpeed
             stages 1-2; :class:`SetUpDDP` routes them its own way).
-        lite_nesting: Set by the strategy where methods gather over several ranks (ZeRO-3):
-            a :class:`~scopedlite._strategies.lockstep.Nesting` whose ledger checks that every
-            rank calls the method before it gathers. Inside ``lite.join`` a method that would
-            gather is refused, and one whose result is back-propagated too (join/members.py).
     """
 
     lite_always_through_forward: ClassVar[bool] = False
+
+    def _lite_nesting(self) -> Nesting | None:
+        """Where methods gather over several ranks (ZeRO-3): the model's
+        :class:`~scopedlite._strategies.lockstep.Nesting`, whose ledger checks that every rank
+        calls the method before it gathers; None elsewhere. Inside ``lite.join`` a method that
+        would gather is refused, and one whose result is back-propagated too (join/members.py)."""
+        return None
 
     def _lite_inner(self) -> torch.nn.Module | None:
         # Read from __dict__: during unpickling or copying the attribute may not exist yet, and
@@ -200,7 +209,7 @@ def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) 
             return on_backward(method(*args, **kwargs), functools.partial(refuse_backward_in_join, qualified))
         if not (wrapper.lite_always_through_forward or torch.is_grad_enabled()):
             return method(*args, **kwargs)
-        nesting = wrapper.__dict__.get("lite_nesting")  # ZeRO-3 over several ranks
+        nesting = wrapper._lite_nesting()  # ZeRO-3 over several ranks
         if nesting is None or nesting.depth:
             return _run_through_forward(wrapper, inner, method, args, kwargs)
         if nesting.ledger is not None:
@@ -300,25 +309,18 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
         return ddp_method(self, inner, name)
 
 
-_VIEW_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def present_as_user_model(
-    wrapper: torch.nn.Module, view: type[UserModelView], always_through_forward: bool = False
-) -> torch.nn.Module:
+def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView]) -> torch.nn.Module:
     """Swap ``wrapper``'s class for ``view`` (a subclass of :class:`UserModelView` and of the
-    wrapper's class) once the wrapper is fully built; returns the same object."""
+    wrapper's class) once the wrapper is fully built; returns the same object. The class is
+    the one change: nothing is written into the instance."""
     if not issubclass(view, type(wrapper)):
         raise TypeError(f"{type(wrapper).__name__} cannot be presented as {view.__name__}.")
     wrapper.__class__ = view
-    wrapper.lite_always_through_forward = always_through_forward
     return wrapper
 
 
+@functools.cache
 def view_class(wrapper_class: type[torch.nn.Module], mixin: type[UserModelView], name: str) -> type[UserModelView]:
-    """The (cached) subclass of ``wrapper_class`` with ``mixin`` mixed in, for wrapper classes
-    imported only when a run uses them (a DeepSpeed engine)."""
-    key = (wrapper_class, mixin)
-    if key not in _VIEW_CLASSES:
-        _VIEW_CLASSES[key] = type(name, (mixin, wrapper_class), {"__module__": mixin.__module__})
-    return _VIEW_CLASSES[key]  # type: ignore[return-value]
+    """The subclass of ``wrapper_class`` with ``mixin`` mixed in, for wrapper classes imported
+    only when a run uses them (a DeepSpeed engine); made once per process, as any class is."""
+    return type(name, (mixin, wrapper_class), {"__module__": mixin.__module__})  # type: ignore[return-value]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
@@ -76,11 +75,6 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         super().start(placement, rendezvous)
         self.scaling = GradientScaling.for_placement(placement)
-        # In setup order (the same on every rank): join's hooks must run in one order.
-        self._modules: list[weakref.ref[DistributedDataParallel]] = []
-        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        # Whether each set-up model broadcasts its buffers (buffers.py: after training forwards)
-        self._syncs_buffers: weakref.WeakKeyDictionary[DistributedDataParallel, bool] = weakref.WeakKeyDictionary()
 
     # -- modules and optimizers ---------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -95,14 +89,14 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
         # Rank 0's buffers at the end of each training forward, not at the start of the next:
-        # an evaluation on rank 0 alone then needs no other rank (buffers.py).
-        self._syncs_buffers[ddp] = take_over_buffer_sync(ddp, self.comm_device)
-        self._modules.append(weakref.ref(ddp))
+        # an evaluation on rank 0 alone then needs no other rank (buffers.py). The run's
+        # registry keeps, for each model in setup order, whether it syncs them.
+        self.set_up.add_model(ddp, take_over_buffer_sync(ddp, self.comm_device))
         return ddp
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self._optimizers.append(weakref.ref(optimizer))
-        return self.scaling.wrap_optimizer(optimizer)
+        self.set_up.add_optimizer(optimizer)
+        return self.scaling.wrap_optimizer(optimizer, self.set_up)
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
@@ -118,13 +112,13 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def syncs_buffers(self, module: DistributedDataParallel) -> bool:
         """Whether the set-up ``module`` broadcasts rank 0's buffers after training forwards
         (DDP's ``broadcast_buffers``, unless the user turned it off)."""
-        return self._syncs_buffers.get(module, False)
+        return bool(self.set_up.record(module, False))
 
     def join_models(self) -> list[torch.nn.Module]:
-        return [m for m in (ref() for ref in self._modules) if m is not None]
+        return self.set_up.models()
 
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
-        return self.optimizers_of(models, [ref() for ref in self._optimizers])
+        return self.optimizers_of(models, self.set_up.optimizers())
 
     def join_hook(
         self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool

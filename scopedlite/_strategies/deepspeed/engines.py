@@ -22,8 +22,12 @@ gradients and the clipping. What DDP users write must keep working:
   and the engine, its optimizer and its parameters are freed.
 
 What the run knows about each engine (its optimizer, its parameters, the backward passes since
-the last step, how to release it) lives in :class:`Engines`, owned by the strategy; nothing is
-written onto DeepSpeed's objects.
+the last step, how to release it) is its :class:`EngineRecord`, kept in the run's registry
+(``_strategies/set_up.py``) and read through :class:`Engines`; nothing is written onto
+DeepSpeed's objects. What the face itself must know (the engine, and under ZeRO-3 the
+:class:`~scopedlite._strategies.lockstep.Nesting` its methods count in) is in slots of the
+face, which is ours, outside the ``__dict__`` it shares with the engine. Its ``forward`` is
+the engine's, with DeepSpeed's warnings filtered (ZeRO-3 gathers parameters inside it).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ import torch
 from scopedlite._private.deepspeed_internals import forget_forward_stack, is_zero3_parameter
 from scopedlite._private.torch_internals import registered_submodule
 from scopedlite._strategies.deepspeed.crossing import leaves_reached, refuse_crossing
+from scopedlite._strategies.deepspeed.logs import filtered_warnings
+from scopedlite._strategies.lockstep import Nesting
+from scopedlite._strategies.set_up import SetUpObjects
 from scopedlite._strategies.user_model import UserModelView, saving_method, user_owns, view_class
 
 __all__ = ["EngineRecord", "EngineView", "Engines", "accumulating", "clip_full_gradients", "user_facing"]
@@ -62,7 +69,9 @@ class EngineView(UserModelView):
     back.
     """
 
-    __slots__ = ("_lite_engine",)  # the engine object itself; a slot, outside the shared __dict__
+    # The engine object itself, and the Nesting of ZeRO-3's methods (None: they gather on one
+    # rank, or not at all): slots, outside the __dict__ the face shares with the engine.
+    __slots__ = ("_lite_engine", "_lite_face_nesting")
 
     def __getattribute__(self, name: str) -> Any:
         if name in _FACE_NAMES or (name.startswith("__") and name.endswith("__")):
@@ -127,6 +136,17 @@ class EngineView(UserModelView):
     def _lite_inner(self) -> torch.nn.Module | None:
         return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")
 
+    def _lite_nesting(self) -> Nesting | None:
+        return object.__getattribute__(self, "_lite_face_nesting")  # type: ignore[no-any-return]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The engine's class's forward, quiet: ZeRO-3 gathers parameters inside it. (A
+        forward set on the instance for a while, as ``lite.join`` sets one, lands in the
+        shared ``__dict__`` and is found before this method; it may call this one.)"""
+        engine = object.__getattribute__(self, "_lite_engine")
+        with filtered_warnings():
+            return type(engine).forward(engine, *args, **kwargs)
+
     @property
     def lite_always_through_forward(self) -> bool:  # type: ignore[override]
         """Under ZeRO-3 parameters are gathered in forward only: the user's methods always go
@@ -173,17 +193,19 @@ def _gathered_state(inner: torch.nn.Module) -> dict[str, Any]:
     return state
 
 
-def user_facing(engine: Any) -> Any:
+def user_facing(engine: Any, nesting: Nesting | None = None) -> Any:
     """The object ``lite.setup`` returns for ``engine`` (see the module docstring).
 
     It is an instance of a subclass of the engine's class with :class:`EngineView` mixed in,
     sharing the engine's ``__dict__``: every hook and attribute is the engine's, so DeepSpeed
     and ``isinstance(model, DeepSpeedEngine)`` see no difference, but it is a different
-    object, held only by the user.
+    object, held only by the user. ``nesting``: where the user's methods are counted when
+    they gather over several ranks (ZeRO-3).
     """
     face = object.__new__(view_class(type(engine), EngineView, "SetUpDeepSpeedEngine"))
     object.__setattr__(face, "__dict__", engine.__dict__)
     object.__setattr__(face, "_lite_engine", engine)
+    object.__setattr__(face, "_lite_face_nesting", nesting)
     return face
 
 
@@ -210,45 +232,42 @@ def _release(engine: Any) -> None:
 
 
 class Engines:
-    """The run's set-up DeepSpeed models (faces), weakly, in setup order, with their records."""
+    """The run's set-up DeepSpeed models (faces) in setup order, with their records: a view of
+    the run's registry (``_strategies/set_up.py``), which holds them weakly."""
 
-    def __init__(self) -> None:
-        self._faces: list[weakref.ref[Any]] = []
-        self._records: weakref.WeakKeyDictionary[Any, EngineRecord] = weakref.WeakKeyDictionary()
-        self._added = 0
+    def __init__(self, set_up: SetUpObjects) -> None:
+        self._set_up = set_up
 
     def add(self, face: Any, engine: Any, optimizer: torch.optim.Optimizer | None) -> EngineRecord:
         """Register ``face``; ``engine.destroy()`` runs once, when the user drops the face or
         the run ends (local work only, no collective: ranks may drop a model at different
         moments)."""
-        self._faces = [r for r in self._faces if r() is not None]
-        self._faces.append(weakref.ref(face))
-        self._added += 1
         record = EngineRecord(
             engine=engine,
             optimizer=optimizer,
             parameter_ids=frozenset(id(p) for p in engine.module.parameters()),
             release=weakref.finalize(face, _release, engine),
-            name=f"{type(engine.module).__name__} (model {self._added} set up in this run)",
+            name=type(engine.module).__name__,
         )
-        self._records[face] = record
+        place = self._set_up.add_model(face, record)
+        record.name = f"{record.name} (model {place} set up in this run)"
+        self._set_up.at_end(record.release)
         return record
 
     def alive(self) -> list[Any]:
-        return [e for e in (r() for r in self._faces) if e is not None]
+        return self._set_up.models()
 
     def record(self, face: Any) -> EngineRecord | None:
-        try:
-            return self._records.get(face)
-        except TypeError:  # not hashable: not ours
-            return None
+        record = self._set_up.record(face)
+        return record if isinstance(record, EngineRecord) else None
+
+    def _record_of(self, face: Any) -> EngineRecord:
+        record = self.record(face)
+        assert record is not None, "a set-up model without its engine's record"
+        return record
 
     def face_of_optimizer(self, optimizer: Any) -> Any:
-        return next((f for f in self.alive() if self._records[f].optimizer is optimizer), None)
-
-    def release_all(self) -> None:
-        for face in self.alive():
-            self._records[face].release()
+        return next((f for f in self.alive() if self._record_of(f).optimizer is optimizer), None)
 
     def for_backward(self, loss: torch.Tensor, model: Any, engine_class: type, stage: int) -> EngineRecord:
         """The engine ``lite.backward(loss, model=model)`` must drive. A loss that would also
@@ -258,7 +277,7 @@ class Engines:
         engines = self.alive()
         leaves = leaves_reached(loss) if len(engines) > 1 and getattr(loss, "grad_fn", None) is not None else []
         record = self._target(loss, model, engine_class, engines, leaves)
-        refuse_crossing(record, [self._records[e] for e in engines], leaves, stage)
+        refuse_crossing(record, [self._record_of(e) for e in engines], leaves, stage)
         return record
 
     def _target(
@@ -271,9 +290,9 @@ class Engines:
                     f"run, got a {type(model).__name__}. Pass the set-up model: "
                     "`model, opt = lite.setup(model, opt)` ... `lite.backward(loss, model=model)`."
                 )
-            return _needs_optimizer(self._records[model])
+            return _needs_optimizer(self._record_of(model))
         if len(engines) == 1:
-            return _needs_optimizer(self._records[engines[0]])
+            return _needs_optimizer(self._record_of(engines[0]))
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
             raise RuntimeError(
                 "lite.backward got a loss that does not require grad: it was computed without "
@@ -281,7 +300,7 @@ class Engines:
                 "backpropagate."
             )
         reached = {id(leaf) for leaf in leaves}
-        found = [self._records[e] for e in engines if self._records[e].parameter_ids & reached]
+        found = [r for r in map(self._record_of, engines) if r.parameter_ids & reached]
         training = [r for r in found if r.optimizer is not None]
         if len(training) == 1:
             return training[0]

@@ -22,7 +22,6 @@ import contextlib
 import copy
 import importlib.util
 import os
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
@@ -32,7 +31,7 @@ from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._private.deepspeed_internals import is_zero3_partitioned
-from scopedlite._strategies.base import Rendezvous
+from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
 from scopedlite._strategies.deepspeed.config import ZeroSettings, half_dtype
 from scopedlite._strategies.deepspeed.crossing import refuse_stage_0
@@ -53,7 +52,8 @@ from scopedlite._strategies.deepspeed.logs import (
 )
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
-from scopedlite._strategies.reroute import reroute_step
+from scopedlite._strategies.reroute import replace_method, reroute_step
+from scopedlite._strategies.set_up import SetUpObjects
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -147,7 +147,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         self.config = self.build_config(placement.precision.name, placement.accelerator)
-        self.engines = Engines()  # weak: a model the user drops is released
         self._saved_env: dict[str, str | None] = {}
         self._owns_group = False
         self._deepspeed_comm = False  # deepspeed.comm wraps our group
@@ -208,8 +207,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def stop(self) -> None:
         if getattr(self, "_ledger", None) is not None:
             self._ledger.close()
-        self.engines.release_all()  # releases the engines' hooks and buffers
-        self.engines = Engines()
+        # The run's registry ends first: each engine's hooks and buffers released, each
+        # optimizer's own step given back (set_up.py).
+        Strategy.stop(self)
         if self._deepspeed_comm:
             # Through DeepSpeed, which then forgets the groups it derived from this world (a
             # clone of it, cached in module globals): a later launch in this process would
@@ -231,6 +231,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self._log_level = None
 
     # -- modules and optimizers ---------------------------------------------------------
+    @property
+    def engines(self) -> Engines:
+        """This run's engines, as its registry holds them (weakly: a model the user drops is
+        released)."""
+        return Engines(self.set_up)
+
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """A model set up without an optimizer: an engine for evaluation only."""
         engine, _ = self.setup_module_and_optimizers(module, ())
@@ -273,25 +279,18 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 config=copy.deepcopy(self.config),
                 dist_init_required=False,
             )
-        forward = engine.forward
-
-        def quiet_forward(*args: Any, **kwargs: Any) -> Any:
-            with filtered_warnings():  # ZeRO-3 gathers parameters inside forward
-                return forward(*args, **kwargs)
-
-        engine.forward = quiet_forward
         if self.half_dtype is not None:
             engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True)
-        # What the user gets is the user's model (engines.py), released when dropped.
-        model = user_facing(engine)
-        record = self.engines.add(model, engine, optimizer)
-        if optimizer is not None:
-            _route_step_through_engine(optimizer, record)
+        nesting = None
         if self._ledger is not None:  # ZeRO-3's methods gather: every rank must call them
             nesting = Nesting(self._ledger, engine.module)
             engine.register_forward_pre_hook(nesting.enter, prepend=True)
             engine.register_forward_hook(nesting.leave, always_call=True)
-            model.lite_nesting = nesting  # read by the user's methods (user_model.py)
+        # What the user gets is the user's model (engines.py), released when dropped.
+        model = user_facing(engine, nesting)
+        record = self.engines.add(model, engine, optimizer)
+        if optimizer is not None:
+            _route_step_through_engine(optimizer, record, self.set_up)
         return model, [] if optimizer is None else [optimizer]
 
     def engine(self, model: torch.nn.Module) -> Any:
@@ -447,12 +446,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             _checkpoint.load_engine_optimizer(self.engine(model), optimizer, entry)
 
 
-def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineRecord) -> None:
+def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineRecord, set_up: SetUpObjects) -> None:
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
 
-    Rerouted on the instance (see ``reroute.py``), so the optimizer keeps its class and LR
-    schedulers built on it keep working.
+    Rerouted on the instance for the run (see ``reroute.py``), so the optimizer keeps its class
+    and LR schedulers built on it keep working.
     """
     original_zero_grad = optimizer.zero_grad
     engine = record.engine
@@ -467,6 +466,7 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
         engine_step,
         "optimizer.step(closure) cannot be used under strategy='deepspeed': the engine steps "
         "after lite.backward(loss). Call optimizer.step() without a closure.",
+        set_up,
     )
 
     def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -475,7 +475,7 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
         if inside_engine():
             original_zero_grad(set_to_none=set_to_none)
 
-    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)  # type: ignore[method-assign]
+    replace_method(optimizer, "zero_grad", zero_grad, set_up)
 
 
 def _input_caster(dtype: torch.dtype) -> Any:

@@ -16,7 +16,6 @@ import contextlib
 import math
 import os
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterator
@@ -212,11 +211,6 @@ class FSDPStrategy(ProcessGroupStrategy):
             self._fsdp_mesh = init_device_mesh(placement.device.type, shape, mesh_dim_names=(REPLICATE, SHARD))
         self._checkpoint_group: Any = None
         self._init_records = InitRecords()
-        # id(parameter before sharding) -> weak refs to it and to the sharded parameter replacing
-        # it (weak: a model the user drops is released, its parameters with it)
-        self._replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[torch.nn.Parameter]]] = {}
-        self._modules: list[weakref.ref[torch.nn.Module]] = []
-        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []  # in setup order, for join
         # Where each rank notes its gathering steps, so that a method gathering on some ranks
         # only is refused instead of hanging (lockstep.py).
         self._ledger = (
@@ -276,11 +270,10 @@ class FSDPStrategy(ProcessGroupStrategy):
         elif self._ledger is not None:  # its forwards still gather (tensor-parallel collectives)
             count_depth(module, Nesting(self._ledger))
 
+        # The sharded parameter that replaced each one, for optimizers built on the plain ones.
         after = dict(module.named_parameters(remove_duplicate=False))
-        self._replaced = {k: v for k, v in self._replaced.items() if v[0]() is not None and v[1]() is not None}
-        for name, old in before.items():
-            self._replaced[id(old)] = (weakref.ref(old), weakref.ref(after[name]))
-        self._modules.append(weakref.ref(module))
+        self.set_up.replace((old, after[name]) for name, old in before.items())
+        self.set_up.add_model(module)
         return module
 
     def _shard(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -323,14 +316,13 @@ class FSDPStrategy(ProcessGroupStrategy):
         Parameter groups and hyper-parameters are kept; each parameter is swapped for its
         sharded successor, found by identity in the modules set up so far.
         """
-        sharded = {id(p) for ref in self._modules if (m := ref()) is not None for p in m.parameters()}
+        sharded = {id(p) for m in self.set_up.models() for p in m.parameters()}
         swaps: list[tuple[list[Any], int, torch.nn.Parameter]] = []
         for index, group in enumerate(optimizer.param_groups):
             for position, param in enumerate(group["params"]):
                 if id(param) in sharded:
                     continue
-                entry = self._replaced.get(id(param))
-                successor = entry[1]() if entry is not None and entry[0]() is param else None
+                successor = self.set_up.successor(param)
                 if successor is None:
                     raise ValueError(
                         f"The optimizer's param group {index} holds a parameter of shape "
@@ -345,7 +337,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
         for params, position, new in swaps:
             params[position] = new
-        self._optimizers.append(weakref.ref(optimizer))
+        self.set_up.add_optimizer(optimizer)
         return optimizer
 
     # -- per step -------------------------------------------------------------------------
@@ -391,10 +383,10 @@ class FSDPStrategy(ProcessGroupStrategy):
         return _without_gradient_sync(module) if enabled else contextlib.nullcontext()
 
     def join_models(self) -> list[torch.nn.Module]:
-        return [m for m in (ref() for ref in self._modules) if m is not None]
+        return self.set_up.models()
 
     def join_optimizers(self, models: tuple[torch.nn.Module, ...]) -> tuple[torch.optim.Optimizer, ...]:
-        return self.optimizers_of(models, [ref() for ref in self._optimizers])
+        return self.optimizers_of(models, self.set_up.optimizers())
 
     def join_hook(
         self, models: tuple[Any, ...], optimizers: tuple[torch.optim.Optimizer, ...], divide_by_initial_world_size: bool
@@ -405,9 +397,8 @@ class FSDPStrategy(ProcessGroupStrategy):
     def owner_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The set-up module whose parameters ``optimizer`` updates (state dicts need it)."""
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for ref in self._modules:
-            module = ref()
-            if module is not None and wanted <= {id(p) for p in module.parameters()}:
+        for module in self.set_up.models():
+            if wanted <= {id(p) for p in module.parameters()}:
                 return module
         raise ValueError(
             f"Under strategy={self.name!r} an optimizer is saved and loaded together with the one model "

@@ -298,7 +298,7 @@ class ModelParallelStrategy(FSDPStrategy):
         collectives are part of the computation and always run."""
         from torch.distributed.fsdp import FSDPModule
 
-        if not any(module is m for m in (ref() for ref in self._modules)):
+        if not self.set_up.has_model(module):
             raise TypeError(
                 f"lite.no_backward_sync needs the module returned by lite.setup, got a "
                 f"{type(module).__name__} that was not set up in this run. Use "

@@ -32,7 +32,7 @@ class SingleDeviceStrategy(ScaledBackward, OneProcessCollectives, Strategy):
             )
 
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
-        self.placement = placement
+        self.place(placement)
         self.scaling = GradientScaling.for_placement(placement)
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -40,7 +40,7 @@ class SingleDeviceStrategy(ScaledBackward, OneProcessCollectives, Strategy):
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.scaling.wrap_optimizer(optimizer)
+        return self.scaling.wrap_optimizer(optimizer, self.set_up)
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
         return contextlib.nullcontext()

@@ -22,8 +22,6 @@ How many XLA devices there are, and whether torch_xla fits this torch, is found 
 from __future__ import annotations
 
 import contextlib
-import types
-import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Iterable, Iterator
 
 import torch
@@ -35,6 +33,7 @@ from scopedlite._private.torch_xla_internals import initialize_tpu_process
 from scopedlite._strategies.base import ReduceOp, Rendezvous, Strategy
 from scopedlite._strategies.join.collectives import NoJoin
 from scopedlite._strategies.one_process import OneProcessCollectives
+from scopedlite._strategies.reroute import replace_method
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -87,31 +86,25 @@ class _XLABase(OneProcessCollectives, Strategy):
 
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         import_torch_xla()
-        self.placement = placement
+        self.place(placement)
 
     # -- modules and optimizers ---------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move ``module`` to the XLA device. Unlike CPU and CUDA, moving to XLA makes new
         ``Parameter`` objects (XLA tensors cannot take a CPU tensor's place), so the old-to-new
-        pairs are kept for :meth:`setup_optimizer` to repoint an optimizer made before."""
+        pairs are kept in the run's registry for :meth:`setup_optimizer` to repoint an optimizer
+        made before."""
         before = list(module.parameters())
         module = self.placement.precision.convert_module(module.to(self.placement.device))
-        moved = getattr(self, "_moved", None)
-        if moved is None:
-            moved = self._moved = {}
-        for old, new in zip(before, module.parameters()):
-            if old is not new:
-                moved[id(old)] = (weakref.ref(old), weakref.ref(new))
+        self.set_up.replace(zip(before, module.parameters()))
         return module
 
     def _repoint(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` hold the XLA parameters its CPU parameters became."""
-        moved = getattr(self, "_moved", {})
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
-                old_ref, new_ref = moved.get(id(p), (None, None))
-                new = new_ref() if new_ref is not None and old_ref() is p else None
+                new = self.set_up.successor(p)
                 if new is not None and p in optimizer.state:
                     optimizer.state[new] = optimizer.state.pop(p)
                 params.append(p if new is None else new)
@@ -125,7 +118,7 @@ class _XLABase(OneProcessCollectives, Strategy):
             )
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Reroute ``optimizer.step`` on the instance: reduce gradients over the processes
+        """Reroute ``optimizer.step`` on the instance for the run: reduce gradients over the processes
         (``xm.reduce_gradients``), step, then run the step's graph (``xm.optimizer_step``)."""
         self._repoint(optimizer)
         original_step = optimizer.step
@@ -138,7 +131,7 @@ class _XLABase(OneProcessCollectives, Strategy):
             _sync()
             return result
 
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        replace_method(optimizer, "step", step, self.set_up)  # until the run ends (reroute.py)
         return optimizer
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -242,7 +235,7 @@ class XLAStrategy(_XLABase):
 
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         import_torch_xla()
-        self.placement = placement
+        self.place(placement)
         self._group = False
         if placement.world_size > 1:
             assert rendezvous is not None, "a multi-process XLA run needs a rendezvous"
@@ -251,6 +244,7 @@ class XLAStrategy(_XLABase):
             self._group = True
 
     def stop(self) -> None:
+        super().stop()
         if self._group:
             _distributed.destroy_process_group()
             self._group = False

@@ -1,0 +1,77 @@
+"""Three forked launch blocks in one process, as a notebook's cells run them: what each run
+knows about the objects it set up lives in its own registry, which starts empty and is empty
+again when the block ends, and nothing of ours is left on the user's module, on what setup
+returned (torch's DDP module, a DeepSpeed engine) or on the user's optimizer. The models and
+optimizers are kept past their block, as a notebook's namespace keeps them. Each block starts
+as cleanly as the first: of the process-wide state (_core/process.py) it sees only its own
+open block and no stop request, and no store of an earlier run is left.
+
+argv: strategy
+"""
+
+import sys
+
+import torch
+
+import scopedlite as lite
+from _common import from_every_rank, write
+from scopedlite._comm.distributed import run_store
+from scopedlite._core.process import this_process
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).sum()
+
+
+def ours(obj: object) -> list[str]:
+    """The names in ``obj``'s instance ``__dict__`` that are ours (a DeepSpeed face shows the
+    engine's, which it shares), and an instance ``forward`` or ``step`` / ``zero_grad`` that
+    the class's own would hide."""
+    names = vars(obj)
+    return sorted(k for k in names if "lite" in k.lower() or k in ("forward", "step", "zero_grad"))
+
+
+blocks = []
+kept = []
+for _block in range(3):
+    with lite.launch(strategy=sys.argv[1], devices=2, accelerator="cpu", launcher="fork", timeout=60) as run:
+        registry = run.strategy.set_up
+        started_empty = registry.is_empty()
+        torch.manual_seed(0)
+        net = Net()
+        model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        model.score(torch.ones(2, 4))  # a user's method (under ZeRO-3 it gathers, counted per face)
+        lite.backward(model(torch.ones(2, 4)).sum())
+        opt.step()
+        opt.zero_grad()
+        during = from_every_rank(
+            {
+                "started_empty": started_empty,
+                "models": [m is model for m in registry.models()],
+                "site_known": registry.site_of(net) is not None and registry.site_of(model) is not None,
+                "open_launches": len(this_process.open_launches.here()),
+                "stop_requested": this_process.stop_request.is_set(),
+                "blocks_entered": this_process.blocks_entered(),
+            }
+        )
+    blocks.append(
+        {
+            "during": during,
+            "empty_after": registry.is_empty(),
+            "open_launches_after": len(this_process.open_launches.here()),
+            "store_after": run_store() is not None,
+            "ours_on_model": ours(model),
+            "ours_on_user_module": ours(net),
+            "ours_on_optimizer": ours(opt),
+        }
+    )
+    kept.append((net, model, opt))  # a notebook keeps them: the next block starts anyway
+write(blocks)

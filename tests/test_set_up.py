@@ -1,0 +1,50 @@
+"""The run's registry of what it set up (``_strategies/set_up.py``), on real gloo processes.
+
+State about objects that are not ours (the user's module and optimizer, torch's DDP module, a
+DeepSpeed engine) lives with the run, weakly, and ends with it: several launch blocks forked
+from one process, as a notebook runs them, each start with an empty registry, and once a block
+has ended nothing of ours is left on any of those objects. Of the process-wide state
+(``_core/process.py``) each block sees only what is its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+_NEEDS_DEEPSPEED = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install scopedlite[deepspeed])",
+)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        "fsdp",
+        pytest.param("deepspeed_stage_2", marks=_NEEDS_DEEPSPEED),
+        pytest.param("deepspeed_stage_3", marks=_NEEDS_DEEPSPEED),
+    ],
+)
+def test_each_block_owns_its_registry_and_leaves_nothing_on_what_it_set_up(script, strategy):
+    result = script("set_up_ownership", strategy, timeout=120)
+    assert result.returncode == 0, result.explain()
+    blocks = result.json()
+    assert len(blocks) == 3
+    for number, block in enumerate(blocks, start=1):
+        where = f"block {number} under {strategy}"
+        for rank, seen in enumerate(block["during"]):
+            assert seen["started_empty"], f"{where}, rank {rank}: the run's registry did not start empty"
+            assert seen["models"] == [True], f"{where}, rank {rank}: the registry held {seen['models']}"
+            assert seen["site_known"], f"{where}, rank {rank}: where the model was set up is not known"
+            assert seen["open_launches"] == 1 and not seen["stop_requested"], f"{where}, rank {rank}: {seen}"
+            assert seen["blocks_entered"] == number, f"{where}, rank {rank}: {seen}"
+        assert block["empty_after"], f"{where}: the registry still holds something after the block"
+        assert block["open_launches_after"] == 0 and not block["store_after"], f"{where}: {block}"
+        assert block["ours_on_model"] == [], f"{where}: left on the set-up model: {block['ours_on_model']}"
+        assert block["ours_on_user_module"] == [], f"{where}: left on the user's module: {block['ours_on_user_module']}"
+        assert block["ours_on_optimizer"] == [], f"{where}: left on the optimizer: {block['ours_on_optimizer']}"
