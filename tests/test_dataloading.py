@@ -147,8 +147,9 @@ def test_our_collectives_tensors_are_freed_by_our_thread_not_gloos(ranks):
         # Without keep() 23-58% are gloo's; with it none alone, and 1 of ~600 was seen once in
         # the full suite under load (gloo's thread still held the tensor when it was let go).
         assert ours_main + ours_python > 300 and ours_native <= (ours_main + ours_python) // 100, (rank, r["freed_by"])
-        # the control: gloo's thread frees some of the script's own (measured: 23-58%)
-        assert raw_native > 0 and raw_main + raw_python + raw_native == 100, (rank, r["freed_by"])
+        # the control: gloo's thread frees some of the script's own (measured: 23-58% of 100;
+        # once, under load in the full suite, none of 100: the script tries up to 5 times 100)
+        assert raw_native > 0 and (raw_main + raw_python + raw_native) % 100 == 0, (rank, r["freed_by"])
 
 
 def test_set_epoch_reaches_the_users_sampler(ranks):

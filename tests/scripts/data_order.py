@@ -150,7 +150,7 @@ def payloads_freed_by():
     main = threading.get_ident()
     # [in the main thread, in another Python thread (a garbage collection the supervisor's
     # polling set off), in a thread Python did not start (gloo's)]
-    freed = {"ours": [0, 0, 0], "raw": [0, 0, 0]}
+    freed = {"ours": [0, 0, 0], "raw": [0, 0, 0], "flag": [0, 0, 0]}
     whose = ["ours"]
 
     def note(key):
@@ -182,10 +182,16 @@ def payloads_freed_by():
                 lite.all_reduce(batch.float(), op="sum")
         for i in range(40):  # past what the library holds: all of ours above are freed by now
             lite.all_reduce(torch.tensor([float(i)]))
-        whose[0] = "raw"
-        for _ in range(100):
-            dist.all_reduce(torch.ones(4))
-        time.sleep(0.2)  # gloo's threads let go of the last ones
+        for _ in range(5):  # which thread lets go last is a race: under load it may be ours 100 times
+            whose[0] = "raw"
+            for _ in range(100):
+                dist.all_reduce(torch.ones(4))
+            time.sleep(0.2)  # gloo's threads let go of the last ones
+            whose[0] = "flag"  # every rank goes on until each has seen one
+            seen = torch.tensor([float(freed["raw"][2] > 0)])
+            dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+            if seen.item():
+                break
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
