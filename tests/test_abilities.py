@@ -97,7 +97,7 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "broadcast": lambda obj, src: obj,
     "barrier": lambda: None,
 }
-LAUNCH_HOOKS = {"start", "stop", "backend", "fresh", "comm_device", "describe", "unwrap", "block_body_ended"}
+LAUNCH_HOOKS = {"start", "place", "stop", "backend", "fresh", "comm_device", "describe", "unwrap", "block_body_ended"}
 # Where this process's share of the data is: read by setup_dataloader and lite.save through the
 # Run (properties, which no recorder replaces); tests/test_model_parallel.py checks the one
 # strategy that overrides them.
@@ -190,7 +190,7 @@ def _probe(name: str) -> tuple[Strategy, list[str]]:
 @contextlib.contextmanager
 def _as_rank_of_two(strategy: Strategy, rank: int) -> Iterator[Run]:
     placement = Placement(rank, rank, 0, 2, 2, torch.device("cpu"), PRECISIONS["32-true"], "cpu")
-    strategy.placement = placement
+    strategy.place(placement)  # what every start does first: the run's place and registry
     run = Run.of(placement, strategy)
 
     class Scope:
