@@ -13,6 +13,7 @@ up again in a later launch block is rerouted from its own step, not from a rerou
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any, Callable
 
@@ -23,44 +24,37 @@ from scopedlite._strategies.set_up import SetUpObjects
 __all__ = ["replace_method", "reroute_step"]
 
 
-class _Rerouted:
-    """``optimizer.<name>`` for the run: calls ``function(optimizer, ...)``. It keeps what the
-    instance had before, for the run's end, inside the optimizer's own ``__dict__``: nothing
-    outside the optimizer holds it, so an optimizer (and its parameters: under DeepSpeed the
-    engine's) the user drops during the run is freed."""
-
-    def __init__(self, function: Callable[..., Any], optimizer: torch.optim.Optimizer, before: Any) -> None:
-        self.function = function
-        self.optimizer = optimizer
-        self.before = before
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function(self.optimizer, *args, **kwargs)
-
-
 def replace_method(
     optimizer: torch.optim.Optimizer, name: str, function: Callable[..., Any], set_up: SetUpObjects
 ) -> None:
     """Make ``optimizer.<name>`` call ``function(optimizer, ...)`` until the run of ``set_up``
-    ends; then the attribute the instance had before (usually none: its class's method) is back."""
-    ours = _Rerouted(function, optimizer, vars(optimizer).get(name, _NONE))
+    ends; then the attribute the instance had before (usually none: its class's method) is back.
+
+    A bound method, as LR schedulers require of ``step``. The undo holds the optimizer weakly:
+    an optimizer (and its parameters: under DeepSpeed the engine's) that the user drops during
+    the run is freed."""
+    _BEFORE.setdefault(optimizer, {})[name] = vars(optimizer).get(name, _NONE)
+    ours = types.MethodType(function, optimizer)
     setattr(optimizer, name, ours)
     held, rerouted = weakref.ref(optimizer), weakref.ref(ours)
-    del ours  # the undo holds neither strongly
+    del ours
 
     def undo() -> None:
         optimizer, ours = held(), rerouted()
         if optimizer is None or ours is None or vars(optimizer).get(name) is not ours:
             return  # freed, or replaced again since by someone else: theirs stays
-        if ours.before is _NONE:
+        before = _BEFORE.get(optimizer, {}).pop(name, _NONE)
+        if before is _NONE:
             delattr(optimizer, name)
         else:
-            setattr(optimizer, name, ours.before)
+            setattr(optimizer, name, before)
 
     set_up.at_end(undo)
 
 
 _NONE = object()  # the instance had no attribute of that name (its class's method applied)
+# optimizer -> name -> what the instance had before the run rerouted it, until the run ends
+_BEFORE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def reroute_step(
