@@ -33,7 +33,8 @@ def replace_method(
     A bound method, as LR schedulers require of ``step``. The undo holds the optimizer weakly:
     an optimizer (and its parameters: under DeepSpeed the engine's) that the user drops during
     the run is freed."""
-    _BEFORE.setdefault(optimizer, {})[name] = vars(optimizer).get(name, _NONE)
+    # What the instance had is kept by the undo, for the run (usually nothing: _NONE).
+    before = vars(optimizer).get(name, _NONE)
     ours = types.MethodType(function, optimizer)
     setattr(optimizer, name, ours)
     held, rerouted = weakref.ref(optimizer), weakref.ref(ours)
@@ -43,7 +44,6 @@ def replace_method(
         optimizer, ours = held(), rerouted()
         if optimizer is None or ours is None or vars(optimizer).get(name) is not ours:
             return  # freed, or replaced again since by someone else: theirs stays
-        before = _BEFORE.get(optimizer, {}).pop(name, _NONE)
         if before is _NONE:
             delattr(optimizer, name)
         else:
@@ -53,8 +53,6 @@ def replace_method(
 
 
 _NONE = object()  # the instance had no attribute of that name (its class's method applied)
-# optimizer -> name -> what the instance had before the run rerouted it, until the run ends
-_BEFORE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def reroute_step(

@@ -153,6 +153,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         self._log_level: int | None = None
         try:
             super().start(placement, rendezvous)
+            self.engines = Engines(self.set_up)  # a view of the run's registry (weak: a dropped model is released)
             self._owns_group = True
             self._start_deepspeed(placement, rendezvous)
             # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
@@ -231,12 +232,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self._log_level = None
 
     # -- modules and optimizers ---------------------------------------------------------
-    @property
-    def engines(self) -> Engines:
-        """This run's engines, as its registry holds them (weakly: a model the user drops is
-        released)."""
-        return Engines(self.set_up)
-
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """A model set up without an optimizer: an engine for evaluation only."""
         engine, _ = self.setup_module_and_optimizers(module, ())

@@ -376,11 +376,8 @@ class JoinSession:
                 continue
             seq, outputs = self._unanswered.get(said.model, (None, []))
             if said.kind == Kind.FORWARD:  # it gathers parameters: this rank gathers with it
-                self.serving = True
-                try:
+                with self._answering():
                     self._replay_forward(said.model, said.seq, said.grad, said.sync)
-                finally:
-                    self.serving = False
                 self.outputs.pop(said.seq, None)
                 answered.add(said.key())
                 continue
@@ -396,32 +393,35 @@ class JoinSession:
             elif said.kind != Kind.STEP:
                 continue
             answered.add(said.key())
-            self.serving = True  # its own hooks stay quiet, as on a rank that replays
-            try:
+            with self._answering():
                 if said.kind == Kind.STEP:
                     self.hook.step(said.model)
                 else:
                     with torch.enable_grad():  # it may refuse inside torch.no_grad()
                         self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
-            finally:
-                self.serving = False
+
+    @contextlib.contextmanager
+    def _answering(self) -> Any:
+        """This rank runs a step for the others, as a serving rank replays one: its own hooks
+        stay quiet, and a forward's outputs are kept in ``self.outputs``."""
+        self.serving = True
+        try:
+            yield
+        finally:
+            self.serving = False
 
     def _forward_again(self, index: int, sync: bool) -> list[torch.Tensor] | None:
         """This rank's forward of model ``index`` raised before its outputs existed, or this
         rank did something else instead (that forward had no round: see :meth:`_lean_forward`),
         while the others went on to its backward: run it on the input of this rank's last
-        forward that returned, to have outputs to answer that backward with. Only where a forward gathers
-        nothing (DDP, ZeRO-1/2: the others did not wait for this rank in it); None where there
-        is no such input."""
+        forward that returned, to have outputs to answer that backward with. Only where a
+        forward gathers nothing (DDP, ZeRO-1/2: the others did not wait for this rank in it);
+        None where there is no such input."""
         if index not in self._returned:
             return None
         args, kwargs = self._returned[index]
-        self.serving = True  # stored in self.outputs, as a replay's
-        try:
-            with _buffers_kept(self.hook.module(index)), torch.enable_grad():
-                self.hook.forward(index, args, kwargs, sync)
-        finally:
-            self.serving = False
+        with self._answering(), _buffers_kept(self.hook.module(index)), torch.enable_grad():
+            self.hook.forward(index, args, kwargs, sync)
         return self.outputs.pop(self.forwards, None)
 
     def _refuse(self, problem: str | None) -> None:
@@ -507,7 +507,9 @@ class JoinSession:
         buffers = self.hook.buffer_flag(index)
         source = self.world_size - 1
         lean = self._lean_forward(index, buffers)
-        if self.rounds and not (lean and not self.hook.forward_communicates and self.hook.divide):
+        # DDP, ZeRO-1/2: no round at all, the backward's tells of it (see _lean_forward)
+        no_round = lean and not self.hook.forward_communicates and self.hook.divide
+        if self.rounds and not no_round:
             said = Step(
                 Kind.FORWARD,
                 model=index,
@@ -516,7 +518,7 @@ class JoinSession:
                 buffers=buffers,
                 seq=self.forwards + 1,
             )
-            self._settle()  # the last round decides whether this one may be posted
+            self._settle()  # the last round decides whether this one may be posted: asked again
             round_ = self._post_or_announce(said, lean and self._lean_forward(index, buffers))
             if round_ is not None:
                 source = max(round_.runners)
