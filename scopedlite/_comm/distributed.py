@@ -15,6 +15,7 @@ import datetime
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,7 @@ from scopedlite._private.torch_internals import (
 )
 
 __all__ = [
+    "Connection",
     "adopt_existing_group",
     "all_gather_tensor",
     "all_reduce_tensor",
@@ -45,6 +47,27 @@ __all__ = [
 ]
 
 
+@dataclass
+class Connection:
+    """What this process holds of its run's default process group: made by
+    :func:`init_process_group` or :func:`adopt_existing_group`, kept by the run's strategy
+    (``strategy.connection``) and handed back to :func:`destroy_process_group`. Nothing of it
+    lives in this module, so a later run in the process (a notebook's next cell) starts with
+    none of an earlier one's.
+
+    Attributes:
+        store: The store of a run our launcher started (rank 0 hosts it), which the ranks
+            also meet through at the end of a block; None elsewhere.
+        hosted: The store this process made for a world of SLURM, MPI & co. (rank 0 hosts
+            it), with this rank and the world size: released when every rank let go of it.
+        adopted: The group existed before launch and stays its maker's.
+    """
+
+    store: Any = None
+    hosted: tuple[Any, int, int] | None = None
+    adopted: bool = False
+
+
 def init_process_group(
     backend: str,
     world: World,
@@ -52,8 +75,9 @@ def init_process_group(
     timeout: datetime.timedelta,
     store: Any = None,
     device: torch.device | None = None,
-) -> None:
-    """Create the default process group of ``world``.
+) -> Connection:
+    """Create the default process group of ``world``; the returned connection is what
+    :func:`destroy_process_group` undoes.
 
     - ``store`` given: rank 0 of a world our launcher started, which hosts the store.
     - a torchelastic world: torch reads torchrun's environment (``env://``, agent store).
@@ -79,20 +103,21 @@ def init_process_group(
         # Meeting the other ranks is bounded by the start-up limit, not by launch(timeout=):
         # a rank may still be importing torch while another one waits to connect.
         timeout = max(timeout, start_timeout())
+    connection = Connection()
     if store is None and world.is_torchelastic:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kwargs)
-        return
+        return connection
     if store is None:
         is_host = not ours and rank == 0
         store = dist.TCPStore(world.main_address, world.main_port, size, is_master=is_host, timeout=timeout)
         if not ours:
-            _own_store[:] = [(store, rank, size)]
+            connection.hosted = (store, rank, size)
         else:
             # Tell rank 0 we are here: it waits for these keys in Python, where a worker that
             # died before joining can be noticed, instead of inside torch's blocking rendezvous.
             store.set(ready_key(rank), "1")
     if ours:
-        _launch_store[:] = [store]
+        connection.store = store
     hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     if ours:
@@ -101,11 +126,13 @@ def init_process_group(
         # good. Rank 0 of a run we start is the user's own process and stays unprefixed; our
         # workers prefix their lines themselves ("[rank N] ", scopedlite._launch.output).
         sys.excepthook = hook
+    return connection
 
 
-def adopt_existing_group(world: World, requested: str | None, accelerator: str) -> str:
+def adopt_existing_group(world: World, requested: str | None, accelerator: str) -> tuple[str, Connection]:
     """Take part in the default process group that existed before ``launch`` (``world``
-    describes it) and return the backend our collectives use on ``accelerator``.
+    describes it); return the backend our collectives use on ``accelerator`` and the
+    connection to hand to :func:`destroy_process_group`.
 
     The group stays its maker's: :func:`destroy_process_group` leaves it in place.
 
@@ -133,12 +160,7 @@ def adopt_existing_group(world: World, requested: str | None, accelerator: str) 
             f"already (made before launch, which joins it and never replaces it) uses {chosen!r}. "
             f"Remove process_group_backend=, or create the group with backend={requested!r}."
         )
-    _adopted[:] = [True]
-    return chosen
-
-
-# Set while this process takes part in a default group that existed before launch.
-_adopted: list[bool] = []
+    return chosen, Connection(adopted=True)
 
 
 START_TIMEOUT_ENV = "SCOPEDLITE_START_TIMEOUT"
@@ -169,20 +191,13 @@ def ready_key(rank: int) -> str:
     return f"scopedlite/ready/{rank}"
 
 
-# The store rank 0 hosts for a world made by SLURM, MPI & co. (one per process at a time).
-_own_store: list[tuple[Any, int, int]] = []
-
-
-# The store of the run our launcher started that this process is in (rank 0 hosts it).
-_launch_store: list[Any] = []
-
-
-def store_connection(world: World) -> Any:
+def store_connection(world: World, connection: Connection | None) -> Any:
     """A connection of this process's own to the store every rank of ``world`` shares, for a
     thread that must not queue behind the main thread's blocking store waits (a client's
     operations run one at a time); the shared one (:func:`run_store`) where the world's store
     address is not known to be a store (a group made before launch)."""
-    if not world.is_existing_group and world.main_port and (world.is_ours or world.is_torchelastic or _own_store):
+    hosted = connection is not None and connection.hosted is not None
+    if not world.is_existing_group and world.main_port and (world.is_ours or world.is_torchelastic or hosted):
         try:
             return dist.TCPStore(
                 world.main_address,
@@ -193,15 +208,15 @@ def store_connection(world: World) -> Any:
             )
         except Exception:  # noqa: BLE001 - fall back to the connection the group uses
             pass
-    return run_store()
+    return run_store(connection)
 
 
-def run_store() -> Any:
-    """The store every rank of the open run shares: the one of a run we started, else the
-    default group's (torchrun's agent store, SLURM's or MPI's that rank 0 hosts, a group made
-    before launch); None without a process group."""
-    if _launch_store:
-        return _launch_store[0]
+def run_store(connection: Connection | None) -> Any:
+    """The store every rank of the run on ``connection`` shares: the one of a run we started,
+    else the default group's (torchrun's agent store, SLURM's or MPI's that rank 0 hosts, a
+    group made before launch); None without a process group."""
+    if connection is not None and connection.store is not None:
+        return connection.store
     if not dist.is_initialized():
         return None
     try:
@@ -210,7 +225,9 @@ def run_store() -> Any:
         return None
 
 
-def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[], None] | None = None) -> bool:
+def end_of_block_barrier(
+    connection: Connection | None, rank: int, size: int, seconds: float, check: Callable[[], None] | None = None
+) -> bool:
     """Wait until every rank of a run we started reached the end of its launch block.
 
     Through the store, not a collective: a rank that skipped a collective the others are in
@@ -222,11 +239,9 @@ def end_of_block_barrier(rank: int, size: int, seconds: float, check: Callable[[
     Returns False where there is no such store (the caller falls back to a collective
     barrier); raises ``TimeoutError`` naming the missing ranks.
     """
-    if not _launch_store:
+    if connection is None or connection.store is None:
         return False
-    import time
-
-    store = _launch_store[0]
+    store = connection.store
     store.set(f"scopedlite/block-end/{rank}", "1")
     keys = [f"scopedlite/block-end/{r}" for r in range(size)]
     deadline = time.monotonic() + seconds
@@ -279,19 +294,19 @@ def _let_go_at_exit() -> None:
     held[:] = [(owner, group) for owner, group in held if owner != pid]
 
 
-def destroy_process_group() -> None:
-    """End the run's process group, unless it existed before ``launch``: that one is its
-    maker's (Ray Train, a framework, the script), and stays."""
-    _launch_store.clear()
-    if _adopted:
-        _adopted.clear()
+def destroy_process_group(connection: Connection) -> None:
+    """End the run's process group made on ``connection``, unless it existed before
+    ``launch``: that one is its maker's (Ray Train, a framework, the script), and stays."""
+    connection.store = None
+    if connection.adopted:
         return
     if dist.is_initialized():
         retire_groups()
         dist.destroy_process_group()
     forget_dtensor_shardings()  # their meshes name the groups just destroyed
-    if _own_store:
-        _release_store(*_own_store.pop())
+    if connection.hosted is not None:
+        _release_store(*connection.hosted)
+        connection.hosted = None
 
 
 def _release_store(store: Any, rank: int, size: int, seconds: float = 10.0) -> None:

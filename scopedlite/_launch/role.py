@@ -132,7 +132,7 @@ class Role(ABC):
         limits = Limits(self.plan.hang_timeout, self.plan.term_grace)
         world = self.world_of_run
         assert world is not None
-        store = store_connection(world) if run.world_size > 1 and limits.active else None
+        store = store_connection(world, run.strategy.connection) if run.world_size > 1 and limits.active else None
         if store is None:
             return
         prefix = f"scopedlite/watch/{this_process.blocks_entered()}"
@@ -165,7 +165,9 @@ class Role(ABC):
             check_same_collective(
                 run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block"
             )
-        if store_wait is not None and end_of_block_barrier(run.global_rank, run.world_size, store_wait, check):
+        if store_wait is not None and end_of_block_barrier(
+            run.strategy.connection, run.global_rank, run.world_size, store_wait, check
+        ):
             return
         if final_gloo_barrier():
             return

@@ -30,6 +30,7 @@ from scopedlite._strategies.weights import load_weights
 
 if TYPE_CHECKING:
     from scopedlite._cluster.environments import World
+    from scopedlite._comm.distributed import Connection
     from scopedlite._core.run import Placement
 
 __all__ = ["REDUCE_OPS", "ReduceOp", "Rendezvous", "Strategy"]
@@ -58,6 +59,9 @@ class Strategy(ABC):
     placement: Placement
     # What this run set up (set_up.py): the one registry of the objects it handled, weakly.
     set_up: SetUpObjects
+    # What the run holds of its torch.distributed process group, where it has one
+    # (_comm/distributed.py): made in start, given back in stop.
+    connection: Connection | None = None
 
     @property
     def comm_device(self) -> torch.device:

@@ -80,7 +80,7 @@ class ProcessGroupStrategy(Strategy):
         self.place(placement)
         existing = rendezvous.world.is_existing_group  # made before launch: joined, kept
         if existing:
-            self._backend = _distributed.adopt_existing_group(
+            self._backend, self.connection = _distributed.adopt_existing_group(
                 rendezvous.world, self.process_group_backend, placement.accelerator
             )
         else:
@@ -90,7 +90,7 @@ class ProcessGroupStrategy(Strategy):
         if placement.accelerator == "cuda":
             torch.cuda.set_device(placement.device)
         if not existing:
-            _distributed.init_process_group(
+            self.connection = _distributed.init_process_group(
                 self._backend,
                 rendezvous.world,
                 timeout=placement.timeout,
@@ -101,7 +101,9 @@ class ProcessGroupStrategy(Strategy):
     def stop(self) -> None:
         super().stop()
         self._join_group = None
-        _distributed.destroy_process_group()
+        if self.connection is not None:
+            _distributed.destroy_process_group(self.connection)
+            self.connection = None
 
     def block_body_ended(self) -> None:
         if self._ledger is not None:

@@ -12,10 +12,10 @@ argv: strategy
 import sys
 
 import torch
+import torch.distributed as dist
 
 import scopedlite as lite
 from _common import from_every_rank, write
-from scopedlite._comm.distributed import run_store
 from scopedlite._core.process import this_process
 
 
@@ -67,7 +67,7 @@ for _block in range(3):
             "during": during,
             "empty_after": registry.is_empty(),
             "open_launches_after": len(this_process.open_launches.here()),
-            "store_after": run_store() is not None,
+            "store_after": run.strategy.connection is not None or dist.is_initialized(),
             "ours_on_model": ours(model),
             "ours_on_user_module": ours(net),
             "ours_on_optimizer": ours(opt),

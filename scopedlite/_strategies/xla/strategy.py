@@ -236,18 +236,18 @@ class XLAStrategy(_XLABase):
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         import_torch_xla()
         self.place(placement)
-        self._group = False
         if placement.world_size > 1:
             assert rendezvous is not None, "a multi-process XLA run needs a rendezvous"
             initialize_tpu_process(placement.local_rank, placement.local_world_size)
-            _distributed.init_process_group("gloo", rendezvous.world, timeout=placement.timeout, store=rendezvous.store)
-            self._group = True
+            self.connection = _distributed.init_process_group(
+                "gloo", rendezvous.world, timeout=placement.timeout, store=rendezvous.store
+            )
 
     def stop(self) -> None:
         super().stop()
-        if self._group:
-            _distributed.destroy_process_group()
-            self._group = False
+        if self.connection is not None:
+            _distributed.destroy_process_group(self.connection)
+            self.connection = None
 
     # -- collectives over XLA (run on the device, inside the lazy graph) --------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
