@@ -164,10 +164,6 @@ class ModelParallelStrategy(FSDPStrategy):
         return int(self.mesh[DATA_PARALLEL].size())
 
     @property
-    def tensor_parallel_rank(self) -> int:
-        return int(self.mesh[TENSOR_PARALLEL].get_local_rank())
-
-    @property
     def tensor_parallel_size(self) -> int:
         return int(self.mesh[TENSOR_PARALLEL].size())
 
