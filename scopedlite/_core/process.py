@@ -24,6 +24,10 @@ block on purpose, each piece for its reason:
   exits, no forked copy is ever the last owner (``_comm/distributed.py``).
 - **A worker's stack-dump file** (:attr:`ThisProcess.stack_files`): faulthandler writes into
   it on a signal for the life of the worker process (``_launch/stacks.py``).
+- **The names of call sites seen** (:attr:`ThisProcess.site_names`): a join round carries a
+  call site (``file:line``) as a small integer, the same on every rank; each rank names the
+  integers it made. They name lines of code, which are the process's, not a run's, and a later
+  block that calls from the same line reads the same name (``_strategies/join/message.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class ThisProcess:
         self.stop_request = threading.Event()
         self.retired_groups: list[tuple[int, Any]] = []  # (pid of the retiring process, group)
         self.stack_files: list[IO[str]] = []
+        self.site_names: dict[int, str] = {}  # crc32 of a call site -> its "file:line"
 
     def enter(self, site: str) -> str:
         """Count one more entry of the launch block at ``site``; return its identity

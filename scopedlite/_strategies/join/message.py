@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from scopedlite._comm.wire import DTYPES, MAX_DIMS
+from scopedlite._core.process import this_process
 from scopedlite._strategies.base import REDUCE_OPS
 
 __all__ = [
@@ -216,19 +217,16 @@ _EVENTS_AT = _HEADER_AT + 6 + MAX_DIMS  # the count, then (action, index, value)
 LENGTH = _EVENTS_AT + 1 + 3 * MAX_EVENTS
 
 
-# Call sites travel as small integers; each rank keeps the names of the ones it saw.
-_SITE_NAMES: dict[int, str] = {}
-
-
 def site_id(name: str) -> int:
-    """A stable integer for a call site ``file:line`` (the same on every rank)."""
+    """A stable integer for a call site ``file:line`` (the same on every rank); the process
+    keeps its name (``this_process.site_names``)."""
     value = zlib.crc32(name.encode()) & 0x7FFFFFFF
-    _SITE_NAMES.setdefault(value, name)
+    this_process.site_names.setdefault(value, name)
     return value
 
 
 def site_name(value: int) -> str:
-    return _SITE_NAMES.get(value, f"site #{value}")
+    return this_process.site_names.get(value, f"site #{value}")
 
 
 class Round:
