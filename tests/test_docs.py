@@ -7,10 +7,12 @@ Each ```python block of README.md and docs/*.md is one of three kinds:
   (``inspect.signature``);
 - **marked** on its first line with ``# ... not run by the tests: <why>`` (it needs a GPU,
   several nodes, or a library the tests do not install); such a block is only parsed;
-- **an example**, which runs. A page's examples run in one process forked from the test
-  zygote (tests/zygote.py: torch imported already, no command line to re-execute), so every
-  multi-process block forks, as in a notebook, in a fraction of a second. They run in order,
-  in one namespace and one fresh folder, as a reader pastes them one after another, after the
+- **an example**, which runs. The examples of every page run in one process forked from the
+  test zygote (tests/zygote.py: torch imported already, no command line to re-execute), so
+  every multi-process block forks, as in a notebook, in a fraction of a second, and each
+  launch block starts after all the earlier pages' blocks in the same process, as a
+  notebook's tenth cell does after its first nine. A page's blocks run in order, in one
+  namespace and one fresh folder, as a reader pastes them one after another, after the
   stand-ins docs/index.md names (``Net``, ``dataset``, ``loader``).
 
 Every block, of every kind, must name only real public API (``lite.X`` exists).
@@ -189,8 +191,9 @@ def _kind(block: Block) -> str:
 
 @pytest.fixture(scope="session")
 def examples_run(tmp_path_factory):
-    """Run every example block once: each page's blocks in order, in one process per page,
-    forked from the zygote (a page's blocks build on each other; pages do not). What each
+    """Run every example block once, in one process forked from the zygote: page after page,
+    each page's blocks in order in a namespace of its own (a page's blocks build on each
+    other; pages do not, but they share the process, as a notebook's cells do). What each
     printed and raised."""
     folder = tmp_path_factory.mktemp("docs-examples")
     runner = folder / "runner.py"
@@ -206,27 +209,27 @@ def examples_run(tmp_path_factory):
     stderr: dict[str, str] = {}
     exits: dict[str, object] = {}
     tails: dict[str, str] = {}
-    for name, blocks in pages.items():
-        out = folder / f"{name}.results.json"
-        spec = folder / f"{name}.spec.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "folder": str(folder / "pages"),
-                    "out": str(out),
-                    "stand_ins": STAND_INS,
-                    "pages": [{"name": name, "blocks": blocks}],
-                }
-            )
+    out = folder / "results.json"
+    spec = folder / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "folder": str(folder / "pages"),
+                "out": str(out),
+                "stand_ins": STAND_INS,
+                "pages": [{"name": name, "blocks": blocks} for name, blocks in pages.items()],
+            }
         )
-        try:
-            proc = run_warm(runner, spec, tmp_path=folder, env=env, cwd=folder, timeout=150)
-            text_out, text_err, code = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as timeout:
-            text_out, text_err, code = _text(timeout.stdout), _text(timeout.stderr), "timeout"
-        results.update(json.loads(out.read_text()) if out.exists() else {})
-        stdout.update(_sections(text_out))
-        stderr.update(_sections(text_err))
+    )
+    try:
+        proc = run_warm(runner, spec, tmp_path=folder, env=env, cwd=folder, timeout=60 + 30 * len(pages))
+        text_out, text_err, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as timeout:
+        text_out, text_err, code = _text(timeout.stdout), _text(timeout.stderr), "timeout"
+    results.update(json.loads(out.read_text()) if out.exists() else {})
+    stdout.update(_sections(text_out))
+    stderr.update(_sections(text_err))
+    for name in pages:
         exits[name] = code
         tails[name] = (text_out + text_err)[-3000:]
     return {"results": results, "stdout": stdout, "stderr": stderr, "exit": exits, "tail": tails}

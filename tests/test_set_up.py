@@ -43,6 +43,7 @@ def test_each_block_owns_its_registry_and_leaves_nothing_on_what_it_set_up(scrip
             assert seen["site_known"], f"{where}, rank {rank}: where the model was set up is not known"
             assert seen["open_launches"] == 1 and not seen["stop_requested"], f"{where}, rank {rank}: {seen}"
             assert seen["blocks_entered"] == number, f"{where}, rank {rank}: {seen}"
+            assert seen["holds_store"], f"{where}, rank {rank}: the run does not hold its own store"
         assert block["empty_after"], f"{where}: the registry still holds something after the block"
         assert block["open_launches_after"] == 0 and not block["store_after"], f"{where}: {block}"
         assert block["ours_on_model"] == [], f"{where}: left on the set-up model: {block['ours_on_model']}"

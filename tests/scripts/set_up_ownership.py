@@ -4,7 +4,8 @@ again when the block ends, and nothing of ours is left on the user's module, on 
 returned (torch's DDP module, a DeepSpeed engine) or on the user's optimizer. The models and
 optimizers are kept past their block, as a notebook's namespace keeps them. Each block starts
 as cleanly as the first: of the process-wide state (_core/process.py) it sees only its own
-open block and no stop request, and no store of an earlier run is left.
+open block and no stop request; it holds its own store (strategy.connection), and none is
+left after it.
 
 argv: strategy
 """
@@ -60,6 +61,7 @@ for _block in range(3):
                 "open_launches": len(this_process.open_launches.here()),
                 "stop_requested": this_process.stop_request.is_set(),
                 "blocks_entered": this_process.blocks_entered(),
+                "holds_store": run.strategy.connection is not None and run.strategy.connection.store is not None,
             }
         )
     blocks.append(
