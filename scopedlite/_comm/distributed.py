@@ -121,7 +121,11 @@ def init_process_group(
     hook = sys.excepthook
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     if ours:
-        set_group_timeout(collective_timeout)  # from here on, collectives wait launch(timeout=)
+        try:
+            set_group_timeout(collective_timeout)  # from here on, collectives wait launch(timeout=)
+        except BaseException:
+            dist.destroy_process_group()  # the caller never holds this connection: nothing is left
+            raise
         # torch replaces sys.excepthook with one that prefixes every line with "[rankN]:", for
         # good. Rank 0 of a run we start is the user's own process and stays unprefixed; our
         # workers prefix their lines themselves ("[rank N] ", scopedlite._launch.output).
