@@ -495,6 +495,35 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
     assert max_diff(_flat(got[0]), _flat(rank0["last"]["reference"])) < 1e-6
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])
+def test_lr_schedulers_are_mirrored_by_the_rank_out_of_data_however_they_are_built(script, strategy):
+    """A warm-up + cosine ``SequentialLR`` and a ``ChainedScheduler`` (neither calls
+    ``LRScheduler.__init__``) built in the run, and a ``StepLR`` built before ``lite.launch``
+    and handed to ``lite.join``: the rank that ran out steps them as the other does, so the
+    parameters and learning rate end equal on both ranks and equal to plain torch's. The same
+    early scheduler not handed to the block is refused on every rank, naming the fix."""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_schedulers", strategy, timeout=90)
+    assert result.returncode == 0, result.explain()
+    record = result.json()
+    ranks, reference = record["ranks"], record["reference"]
+    for case, (expected_params, expected_lr) in reference.items():
+        for rank, got in enumerate(ranks):
+            what = f"{case}, rank {rank}"
+            assert got[case]["error"] is None and got[case]["after"] == 3.0, (what, got[case])
+            assert got[case]["lr"] == pytest.approx(expected_lr, rel=1e-12), what
+            assert max_diff(_flat(got[case]["params"]), _flat(expected_params)) < 1e-6, what
+    assert all(lr != 0.1 for _, lr in reference.values()), reference  # each scheduler moved the LR from SGD's
+    for rank, got in enumerate(ranks):
+        unnamed = got["before_launch_unnamed"]
+        assert unnamed["after"] == 3.0, unnamed  # the next collective pairs
+        assert unnamed["error"] is not None, f"rank {rank}: not refused"
+    refusal = ranks[0]["before_launch_unnamed"]["error"]
+    assert refusal.startswith("RuntimeError: The learning rate of optimizer 0"), refusal
+    assert "`lite.join(model, scheduler)`" in refusal, refusal
+
+
 # (rounds per step, of them awaited) in the first two steps of a plain loop, then in each later step
 ROUNDS = {"ddp": ((2, 1), (1, 0)), "fsdp": ((2, 2), (2, 1)), "deepspeed_stage_3": ((3, 2), (3, 1))}
 

@@ -86,7 +86,8 @@ def join(*joinables: Any, divide_by_initial_world_size: bool = True) -> _JoinSco
 
     Args:
         *joinables: Models returned by ``lite.setup`` (all models set up in the run when none
-            are given).
+            are given), and LR schedulers built before ``lite.launch`` (those built inside
+            the launch block are known to the run already).
         divide_by_initial_world_size: Average gradients over all ranks (True: joined ranks
             count as contributing zero) or over the ranks still active (False); under
             ``model_parallel``, over the data-parallel replicas.

@@ -1,7 +1,11 @@
-"""The one place scopedlite replaces functions on torch's own modules and classes, for as
-long as a ``lite.join`` block is open (checked on torch 2.9-2.13).
+"""The one place scopedlite replaces functions on torch's own modules and classes (checked on
+torch 2.9-2.13). Two uses, each for a bounded time, each undone when it ends:
 
-Why: inside ``lite.join`` a rank that has run out of data answers only the join protocol's
+- :func:`replaced`, for as long as a ``lite.join`` block is open (below);
+- :func:`noting_created`, for as long as a run is active: every new instance of some classes
+  is handed to the run once it is built (LR schedulers: see the function).
+
+Why ``replaced``: inside ``lite.join`` a rank that has run out of data answers only the join protocol's
 rounds. A ``torch.distributed`` collective called by the user (or by a library such as
 torchmetrics), a gradient norm over DTensors or ``DTensor.full_tensor()`` (collectives over
 every rank without a ``torch.distributed`` call of their own) would wait for that rank until
@@ -16,10 +20,11 @@ covered.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
-__all__ = ["replaced"]
+__all__ = ["noting_created", "replaced"]
 
 _MARK = "__scopedlite_replaced__"
 
@@ -42,3 +47,37 @@ def replaced(owner: Any, names: Iterable[str], wrap: Callable[[str, Any], Any]) 
     finally:
         for name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def noting_created(classes: Iterable[type], note: Callable[[Any], None]) -> Iterator[None]:
+    """Hand every instance of ``classes`` (or of their subclasses) to ``note`` once its
+    ``__init__`` has returned, until the block ends.
+
+    Why: the join session must step, on a rank that ran out of data, the LR schedulers that
+    the other ranks step, so it must know them; an optimizer does not know its schedulers,
+    and torch has no hook that runs when one is built. So the ``__init__`` each class defines
+    is wrapped for the block (a class without one of its own is left as it is); a subclass
+    that calls its base's ``__init__`` is noted through it (once per class on its way up, so
+    ``note`` may see an instance more than once). ``__new__`` would catch every subclass
+    but cannot be put back: once assigned, CPython keeps the subclasses' constructor slot.
+    """
+    wrapped: list[tuple[type, Any]] = []
+    try:
+        for cls in classes:
+            original = cls.__dict__.get("__init__")
+            if original is None or getattr(original, _MARK, False):  # noted through its base
+                continue
+
+            def init(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> None:
+                __original(self, *args, **kwargs)
+                note(self)
+
+            functools.update_wrapper(init, original)
+            setattr(init, _MARK, True)
+            wrapped.append((cls, original))
+            cls.__init__ = init  # type: ignore[misc]
+        yield
+    finally:
+        for cls, original in reversed(wrapped):
+            cls.__init__ = original  # type: ignore[misc]

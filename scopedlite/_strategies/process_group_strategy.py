@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ProcessGroupStrategy"]
 
+# What lite.join takes beside models: LR schedulers (ReduceLROnPlateau, SequentialLR and
+# ChainedScheduler are LRScheduler subclasses since torch 2.2).
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler,)
+
 _BACKENDS = (None, "gloo", "nccl")
 _START_METHODS = (None, "script", "fork")
 
@@ -78,6 +82,7 @@ class ProcessGroupStrategy(Strategy):
         default group that existed before launch."""
         assert rendezvous is not None, f"strategy={self.name!r} needs a rendezvous"
         self.place(placement)
+        self.set_up.watch_schedulers()  # lite.join steps them on ranks that ran out of data
         existing = rendezvous.world.is_existing_group  # made before launch: joined, kept
         if existing:
             self._backend, self.connection = _distributed.adopt_existing_group(
@@ -140,17 +145,25 @@ class ProcessGroupStrategy(Strategy):
 
     # -- lite.join: one template, a hook per backend -------------------------------------
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> JoinSession:
-        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/join/session.py``)."""
+        """``lite.join`` by lockstep zero-weighted replay (see ``_strategies/join/session.py``).
+
+        ``joinables`` are set-up models and, optionally, LR schedulers: the run knows those
+        built while it is active already; one built before ``lite.launch`` is named here."""
         models = self.join_models()
+        chosen_models = []
         for joinable in joinables:
-            if not any(joinable is m for m in models):
+            if isinstance(joinable, _SCHEDULERS):
+                self.set_up.add_scheduler(joinable)
+            elif any(joinable is m for m in models):
+                chosen_models.append(joinable)
+            else:
                 raise TypeError(
-                    f"lite.join takes the models returned by lite.setup, got a "
+                    f"lite.join takes the models returned by lite.setup (and LR schedulers), got a "
                     f"{type(joinable).__name__} that was not set up in this run. Use "
                     "`model = lite.setup(model)` (or `model, opt = lite.setup(model, opt)`) and "
                     "then `with lite.join(model):`."
                 )
-        chosen = tuple(joinables) or tuple(models)
+        chosen = tuple(chosen_models) or tuple(models)
         optimizers = self.join_optimizers(chosen)
         hook = self.join_hook(chosen, optimizers, divide_by_initial_world_size)
         return JoinSession(self, hook, chosen, optimizers, self._rounds_group(), self.join_replicas())

@@ -8,6 +8,10 @@ run's strategy (a fresh one per launch block), never as attributes written onto 
   rank), each with what its strategy keeps about it (DDP: whether it syncs buffers; DeepSpeed:
   its engine's record);
 - the optimizers, in setup order;
+- the LR schedulers built while the run is active, in the order they were built (a ``lite.join``
+  block steps those of its optimizers on the ranks that ran out of data): torch has no hook
+  for that, so :meth:`SetUpObjects.watch_schedulers` wraps the schedulers' ``__init__`` for
+  the run (``_private/torch_patches.py`` says why and how);
 - where each module was set up, so that setting one up twice in a run is refused (two DDP
   reducers on one set of parameters make the ranks hang in their first collective);
 - under FSDP, which sharded parameter replaced each parameter an optimizer was built on;
@@ -19,11 +23,25 @@ Every reference is weak: a model the user drops is released, and the run keeps n
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from torch.optim import lr_scheduler
+
+from scopedlite._private.torch_patches import noting_created
+
 __all__ = ["SetUpObjects"]
+
+# The scheduler classes whose __init__ every torch scheduler passes through: LRScheduler's (its
+# subclasses call it), and those of the three that do not call it.
+_SCHEDULER_INITS = (
+    lr_scheduler.LRScheduler,
+    lr_scheduler.SequentialLR,
+    lr_scheduler.ChainedScheduler,
+    lr_scheduler.ReduceLROnPlateau,
+)
 
 
 class SetUpObjects:
@@ -33,10 +51,12 @@ class SetUpObjects:
         self._models: list[weakref.ref[Any]] = []
         self._records: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._optimizers: list[weakref.ref[Any]] = []
+        self._schedulers: list[weakref.ref[Any]] = []
         self._sites: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         # id(parameter before sharding) -> weak refs to it and to the parameter replacing it
         self._successors: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
         self._at_end: list[Callable[[], None]] = []
+        self._watching = contextlib.ExitStack()  # the schedulers' __init__ wrapped for the run
         self._added = 0
 
     # -- models and optimizers, in setup order -------------------------------------------
@@ -72,6 +92,28 @@ class SetUpObjects:
         """The set-up optimizers still referenced, in setup order."""
         return [o for o in (r() for r in self._optimizers) if o is not None]
 
+    # -- LR schedulers, in the order they were built ---------------------------------------
+    def watch_schedulers(self) -> None:
+        """Note every LR scheduler built from now until the run ends (see the module docstring)."""
+        self._watching.enter_context(noting_created(_SCHEDULER_INITS, self.add_scheduler))
+
+    def add_scheduler(self, scheduler: Any) -> None:
+        """Note ``scheduler`` (built now, or handed to ``lite.join``) after those known."""
+        alive = [r for r in self._schedulers if r() is not None]
+        if not any(r() is scheduler for r in alive):  # a subclass's __init__ calls its base's
+            alive.append(weakref.ref(scheduler))
+        self._schedulers = alive
+
+    def schedulers_of(self, optimizers: Iterable[Any]) -> list[Any]:
+        """The live LR schedulers built in this run on one of ``optimizers``, in the order they
+        were built: the same order on every rank of a script that builds them alike."""
+        targets = list(optimizers)
+        return [
+            s
+            for s in (r() for r in self._schedulers)
+            if s is not None and any(getattr(s, "optimizer", None) is o for o in targets)
+        ]
+
     # -- where each module was set up ------------------------------------------------------
     def note_site(self, module: Any, site: str) -> None:
         self._sites[module] = site
@@ -104,8 +146,9 @@ class SetUpObjects:
     def end(self) -> None:
         """The run ends: undo what it changed on the user's objects and forget everything.
         Safe to call more than once, and after a failure; every undo runs even if one raises."""
+        self._watching.close()
         undos, self._at_end = self._at_end, []
-        self._models, self._optimizers, self._successors = [], [], {}
+        self._models, self._optimizers, self._schedulers, self._successors = [], [], [], {}
         self._records = weakref.WeakKeyDictionary()
         self._sites = weakref.WeakKeyDictionary()
         error: BaseException | None = None
@@ -119,4 +162,11 @@ class SetUpObjects:
 
     def is_empty(self) -> bool:
         """Whether the run holds nothing (true once it has ended)."""
-        return not (self.models() or self.optimizers() or len(self._sites) or self._successors or self._at_end)
+        return not (
+            self.models()
+            or self.optimizers()
+            or self._schedulers
+            or len(self._sites)
+            or self._successors
+            or self._at_end
+        )

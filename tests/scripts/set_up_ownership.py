@@ -5,7 +5,8 @@ returned (torch's DDP module, a DeepSpeed engine) or on the user's optimizer. Th
 optimizers are kept past their block, as a notebook's namespace keeps them. Each block starts
 as cleanly as the first: of the process-wide state (_core/process.py) it sees only its own
 open block and no stop request; it holds its own store (strategy.connection), and none is
-left after it.
+left after it. An LR scheduler built in the block is known to its run only, and torch's
+scheduler classes are torch's own again after it.
 
 argv: strategy
 """
@@ -18,6 +19,18 @@ import torch.distributed as dist
 import scopedlite as lite
 from _common import from_every_rank, write
 from scopedlite._core.process import this_process
+
+SCHEDULER_CLASSES = (
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.SequentialLR,
+    torch.optim.lr_scheduler.ChainedScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+)
+TORCH_INITS = [vars(cls)["__init__"] for cls in SCHEDULER_CLASSES]
+
+
+def torch_inits_untouched() -> bool:
+    return [vars(cls)["__init__"] for cls in SCHEDULER_CLASSES] == TORCH_INITS
 
 
 class Net(torch.nn.Module):
@@ -49,6 +62,9 @@ for _block in range(3):
         torch.manual_seed(0)
         net = Net()
         model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        # built on an optimizer of its own: a scheduler sets the optimizer's `step` (torch's doing)
+        other = torch.optim.SGD(net.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(other, step_size=1)
         model.score(torch.ones(2, 4))  # a user's method (under ZeRO-3 it gathers, counted per face)
         lite.backward(model(torch.ones(2, 4)).sum())
         opt.step()
@@ -58,6 +74,8 @@ for _block in range(3):
                 "started_empty": started_empty,
                 "models": [m is model for m in registry.models()],
                 "site_known": registry.site_of(net) is not None and registry.site_of(model) is not None,
+                "scheduler_known": registry.schedulers_of([other]) == [scheduler],
+                "torch_inits_wrapped": not torch_inits_untouched(),
                 "open_launches": len(this_process.open_launches.here()),
                 "stop_requested": this_process.stop_request.is_set(),
                 "blocks_entered": this_process.blocks_entered(),
@@ -68,6 +86,7 @@ for _block in range(3):
         {
             "during": during,
             "empty_after": registry.is_empty(),
+            "torch_inits_after": torch_inits_untouched(),
             "open_launches_after": len(this_process.open_launches.here()),
             "store_after": run.strategy.connection is not None or dist.is_initialized(),
             "ours_on_model": ours(model),
@@ -75,5 +94,5 @@ for _block in range(3):
             "ours_on_optimizer": ours(opt),
         }
     )
-    kept.append((net, model, opt))  # a notebook keeps them: the next block starts anyway
+    kept.append((net, model, opt, scheduler))  # a notebook keeps them: the next block starts anyway
 write(blocks)

@@ -6,15 +6,15 @@ rank serves, the ranks still running record them as :class:`~message.Event` s, c
 their next step message, and a serving rank applies them in order. Also here: the policing that
 keeps a serving rank's learning rates those of the running ranks.
 
-LR schedulers hold their optimizer but the optimizer does not know them. They are found once
-per block, and only when a rank may start serving (``start``), by asking the garbage
-collector which objects refer to the optimizers: never on a step.
+LR schedulers hold their optimizer but the optimizer does not know them: the run notes every
+scheduler as it is built (``SetUpObjects.watch_schedulers`` in ``_strategies/set_up.py``), and
+the recorder asks it for those of the block's optimizers once per block, when a rank may start
+serving (``start``). Their order is the order they were built in, the same on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 from typing import Any, Callable
 
@@ -29,9 +29,14 @@ class EventRecorder:
     """Records the local actions of a running rank and applies those of the others."""
 
     def __init__(
-        self, optimizers: tuple[torch.optim.Optimizer, ...], models: tuple[torch.nn.Module, ...], record_steps: bool
+        self,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        models: tuple[torch.nn.Module, ...],
+        record_steps: bool,
+        schedulers_of_run: Callable[[], list[Any]],
     ) -> None:
         self.optimizers = optimizers
+        self._schedulers_of_run = schedulers_of_run  # the run's schedulers on ``optimizers``
         self.models = models
         self.record_steps = record_steps  # False where the step is a collective round (DeepSpeed)
         self.schedulers: list[Any] = []
@@ -39,6 +44,7 @@ class EventRecorder:
         self.pending: list[Event] = []
         self._lrs: list[tuple[float, ...]] = []
         self._in_scheduler = 0
+        self._scheduler_steps = 0  # outermost scheduler.step() calls since install, own or replayed
         self._stack = contextlib.ExitStack()
         self._started = False
 
@@ -69,7 +75,7 @@ class EventRecorder:
                 self._wrap(optimizer, "zero_grad", lambda previous, i=i: self._zero_grad(previous, Action.ZERO_GRAD, i))
         for m, model in enumerate(self.models):
             self._wrap(model, "zero_grad", lambda previous, m=m: self._zero_grad(previous, Action.MODULE_ZERO_GRAD, m))
-        self.schedulers = _schedulers_of(self.optimizers)
+        self.schedulers = self._schedulers_of_run()
         for j, scheduler in enumerate(self.schedulers):
             self._wrap(scheduler, "step", lambda previous, j=j, s=scheduler: self._scheduler_step(previous, j, s))
 
@@ -111,6 +117,8 @@ class EventRecorder:
                 result = previous(*args, **kwargs)
             finally:
                 self._in_scheduler -= 1
+            if self._in_scheduler == 0:
+                self._scheduler_steps += 1
             if self._in_scheduler == 0 and self.recording:
                 self._record(Event(Action.SCHEDULER_STEP, j))
                 for k, optimizer in enumerate(self.optimizers):
@@ -121,8 +129,12 @@ class EventRecorder:
         return step
 
     def scheduler_steps(self) -> int:
-        """How often this rank's schedulers stepped (compared once every rank has left)."""
-        return sum(int(getattr(s, "last_epoch", 0)) for s in self.schedulers)
+        """How often this rank stepped a scheduler since the hooks were installed (at the same
+        round on every rank), its own steps and those it replayed, counting a scheduler that
+        steps others (``SequentialLR``) once: compared once every rank has left. Not the
+        schedulers' ``last_epoch``: ``SequentialLR`` moves two of them by one step, or sets
+        one back to 0."""
+        return self._scheduler_steps
 
     # -- learning rates ------------------------------------------------------------------------
     def check_lr(self, optimizer: torch.optim.Optimizer) -> float:
@@ -133,10 +145,12 @@ class EventRecorder:
             group = next(g for g, (a, b) in enumerate(zip(now, self._lrs[i])) if a != b)
             raise RuntimeError(
                 f"The learning rate of optimizer {i}, param group {group}, changed from "
-                f"{self._lrs[i][group]} to {now[group]} inside lite.join without an LR scheduler "
-                "created before the block. Ranks that ran out of data step their shards too and "
-                "cannot see a change made by hand. Change it with a torch LR scheduler created "
-                "before `with lite.join(...)`, or outside the block."
+                f"{self._lrs[i][group]} to {now[group]} inside lite.join by something the run does "
+                "not know: a change by hand, or an LR scheduler built before `lite.launch` or inside "
+                "the join block. Ranks that ran out of data step their shards too and cannot see "
+                "it. Change it with a torch LR scheduler built inside `with lite.launch(...)` and "
+                "before `with lite.join(...)` (one built before the launch block is passed: "
+                "`lite.join(model, scheduler)`), or outside the block."
             )
         return math.fsum(now)
 
@@ -174,8 +188,9 @@ class EventRecorder:
             if event.index >= len(self.schedulers):
                 raise RuntimeError(
                     f"Inside lite.join the ranks still active stepped LR scheduler #{event.index}, "
-                    f"but rank {rank} knows {len(self.schedulers)} on the block's optimizers. Create "
-                    "the same schedulers on every rank, before the block."
+                    f"but rank {rank} knows {len(self.schedulers)} on the block's optimizers. Build "
+                    "the same schedulers on every rank, inside `with lite.launch(...)` and before the "
+                    "join block (or pass them: `lite.join(model, scheduler)`)."
                 )
             self.schedulers[event.index].step()
 
@@ -185,35 +200,6 @@ def _lrs(optimizer: torch.optim.Optimizer) -> tuple[float, ...]:
         float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].item())
         for g in optimizer.param_groups
     )
-
-
-def _schedulers_of(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
-    """The LR schedulers built on ``optimizers`` so far, in a deterministic order.
-
-    The garbage collector's referrers are the one public way to find the schedulers the user
-    created: one scan of the heap for all optimizers, so it runs once per block and only when
-    a rank may serve. A scheduler whose attribute dictionary was materialised refers to its
-    optimizer through that dictionary; only such dictionaries cost a second scan.
-    """
-    if not optimizers:
-        return []
-    referrers = gc.get_referrers(*optimizers)
-    found = [r for r in referrers if isinstance(r, torch.optim.lr_scheduler.LRScheduler)]
-    dicts = [
-        d
-        for d in referrers
-        if isinstance(d, dict) and "last_epoch" in d and any(d.get("optimizer") is o for o in optimizers)
-    ]
-    if dicts:
-        found += [
-            o
-            for o in gc.get_referrers(*dicts)
-            if isinstance(o, torch.optim.lr_scheduler.LRScheduler) and any(vars(o) is d for d in dicts)
-        ]
-    unique = list({id(s): s for s in found}.values())
-    order = {id(o): i for i, o in enumerate(optimizers)}
-    unique.sort(key=lambda s: (order[id(s.optimizer)], type(s).__name__))
-    return unique
 
 
 def wrap_method(stack: contextlib.ExitStack, obj: Any, name: str, wrapper: Any) -> None:

@@ -173,7 +173,12 @@ class JoinSession:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.device = strategy.comm_device
-        self.events = EventRecorder(optimizers, tuple(m for _, m in hook.zero_grad_owners()), hook.records_steps)
+        self.events = EventRecorder(
+            optimizers,
+            tuple(m for _, m in hook.zero_grad_owners()),
+            hook.records_steps,
+            lambda: strategy.set_up.schedulers_of(optimizers),
+        )
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
         self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
