@@ -488,6 +488,16 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
         assert rank1["step"]["error"].startswith("RuntimeError"), rank1["step"]
         left = "PeerLeftJoinError: Another rank left lite.join" if lean else "RuntimeError"
         assert rank0["step"]["error"].startswith(left), rank0["step"]
+    for rank in (rank0, rank1):
+        assert rank["save"]["after"] == 3.0, rank["save"]
+    if strategy == "deepspeed_stage_3":  # state_dict() gathers there: refused before it does
+        assert rank0["save"]["error"].startswith(
+            "RuntimeError: Inside lite.join, Sequential.state_dict() needs the model's parameters gathered"
+        ), rank0["save"]
+        assert "Call it on every rank after the `with lite.join(...)` block." in rank0["save"]["error"]
+        assert rank1["save"]["error"].startswith("PeerLeftJoinError: Another rank left lite.join"), rank1["save"]
+    else:
+        assert rank0["save"]["error"] is None and rank1["save"]["error"] is None, (rank0["save"], rank1["save"])
     assert rank1["raises"]["error"] == "KeyError: 'rank 1 fails inside its forward'", rank1["raises"]
     assert rank0["raises"]["error"].startswith("PeerLeftJoinError: Another rank left lite.join"), rank0["raises"]
     got = rank0["last"]["params"]

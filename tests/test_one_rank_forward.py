@@ -137,5 +137,9 @@ def test_a_sharded_forward_on_some_ranks_is_refused_at_once_with_the_fix(script,
         assert f"strategy={named!r}" in message and "lite.join(model)" in message, message
         full = "model.state_dict()" if strategy == "deepspeed_stage_3" else FULL_WEIGHTS
         assert f"`weights = {full}` on every rank" in message, message
+    if strategy == "deepspeed_stage_3":  # rank 0 alone saving its weights: refused before it gathers
+        message = out["state_dict_alone"]
+        assert message.startswith("MethodCalledOnSomeRanksError: Sequential.state_dict() needs the parameters"), message
+        assert "only rank(s) [0] called it (rank 1 waits in a collective" in message, message
     # the fix it names: a plain copy from model.state_dict(), evaluated on rank 0 alone
     assert_close(out["plain_copy"], after_four, 1e-5, "rank 0's plain copy")

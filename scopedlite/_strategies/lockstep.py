@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._private.torch_internals import default_store
-from scopedlite._strategies.join.members import in_join
+from scopedlite._strategies.join.members import in_join, refuse_gather_in_join
 
-__all__ = ["ForwardOnSomeRanksError", "GatherLedger", "MethodCalledOnSomeRanksError", "Nesting"]
+__all__ = ["ForwardOnSomeRanksError", "GatherLedger", "MethodCalledOnSomeRanksError", "Nesting", "gathering_together"]
 
 _FORWARD = "forward"  # a training forward: written, never checked
 EVALUATION = "an evaluation forward"  # grad disabled or the model in eval(): checked
@@ -290,6 +290,31 @@ class Nesting:
             yield
         finally:
             self.depth -= 1
+
+
+@contextlib.contextmanager
+def gathering_together(nesting: Nesting | None, user_module: torch.nn.Module, name: str) -> Iterator[None]:
+    """A call that gathers the sharded parameters outside a forward (``state_dict()`` and
+    ``load_state_dict()`` under ZeRO-3, ``save_pretrained``): every rank makes it together, or
+    it is refused on the ranks that make it before anything is gathered. Inside ``lite.join``
+    it always is (the ranks out of data replay forwards only: join/members.py); elsewhere when
+    the ledger finds a rank doing something else (``if rank == 0: torch.save(model.state_dict(),
+    ...)``). Inside a forward or a method already checked it runs as it is.
+
+    Args:
+        nesting: The model's forwards and methods (None: one rank, nothing to check).
+        user_module: The user's module (asked whether it is joined).
+        name: What the errors call it (``"GPT.state_dict"``).
+    """
+    if in_join(user_module):
+        refuse_gather_in_join(name, "Call it on every rank after the `with lite.join(...)` block.")
+    if nesting is None or nesting.depth:
+        yield
+        return
+    if nesting.ledger is not None:
+        nesting.ledger.method(name)  # every rank gathers with us, or this raises
+    with nesting.method():
+        yield
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ library, rather than wrapping it again, is what FSDP2's ``fully_shard`` does too
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable, Mapping
@@ -266,14 +267,21 @@ def _restore_forward(inner: torch.nn.Module, had_own: bool, own: Any) -> None:
         inner.__dict__.pop("forward", None)
 
 
-def saving_method(method: Callable[..., Any], full_state: Callable[[], dict[str, Any]]) -> Callable[..., Any]:
+def saving_method(
+    method: Callable[..., Any],
+    full_state: Callable[[], dict[str, Any]],
+    together: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Callable[..., Any]:
     """``method`` (``save_pretrained``) of a model whose weights are sharded: every rank calls
     it, ``full_state()`` gathers the plain model's full state dict to rank 0, rank 0 writes it
-    (``state_dict=``, unless the caller passes one), and the other ranks wait until it has."""
+    (``state_dict=``, unless the caller passes one), and the other ranks wait until it has.
+    ``together()`` checks first that every rank calls it (``lockstep.gathering_together``): a
+    call on rank 0 alone is refused there instead of waiting in the gather for ever."""
 
     @functools.wraps(method)
     def save(*args: Any, **kwargs: Any) -> Any:
-        state = full_state()
+        with together():
+            state = full_state()
         result = None
         if torch.distributed.get_rank() == 0:
             kwargs.setdefault("state_dict", state)

@@ -14,11 +14,16 @@ argv: strategy
 - ``raises``: rank 1's forward raises inside the model (after its round, before its outputs
   exist) while the others go on to that forward's backward: rank 1 gets its error, the others
   PeerLeftJoinError (none waits in a gradient collective), and the next collective pairs.
+- ``save``: rank 0 alone saves ``model.state_dict()`` in the middle of the loop: where that
+  is local (ddp, fsdp's DTensor shards, ZeRO-1/2) it runs; under ZeRO-3, where it gathers,
+  it is refused on rank 0 before it gathers, the others get PeerLeftJoinError, and the next
+  collective pairs (before, gloo aborted the process on a size mismatch).
 - ``last``: rank 1 skips the backward of its last batch and leaves the loop: it contributes
   zero to that step, as a rank out of data does; the parameters end equal on both ranks and
   equal to plain torch's over the same losses (a missing rank counts zero, the mean over 2).
 """
 
+import io
 import sys
 
 import torch
@@ -74,6 +79,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) a
         ("eval", {0: 6, 1: 6}, -1),
         ("raises", {0: 6, 1: 6}, -1),
         ("last", {0: 6, 1: 4}, 3),
+        ("save", {0: 6, 1: 6}, -1),
     ]
     if strategy.startswith("deepspeed"):
         cases.append(("step", {0: 6, 1: 6}, 3))
@@ -95,6 +101,8 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=300) a
                     if case == "eval" and rank == 0 and i == 3:
                         with torch.no_grad():
                             model(x)  # rank 0 alone peeks at its model
+                    if case == "save" and rank == 0 and i == 3:
+                        torch.save(model.state_dict(), io.BytesIO())  # rank 0 alone saves mid-epoch
             result[case] = {"error": None}
         except (RuntimeError, KeyError) as e:
             result[case] = {"error": f"{type(e).__name__}: {e}"}

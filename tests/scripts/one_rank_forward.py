@@ -10,8 +10,10 @@ buffers there and hang).
 Sharded strategies (fsdp, deepspeed_stage_3, model_parallel): every rank evaluates (exact);
 rank 0 alone evaluates while rank 1 goes on to a training forward, then while rank 1 waits in
 lite.barrier(), then after rank 1 reached the end of the block: each refused at once on rank
-0, which then follows rank 1 and the run goes on. Then the fix the refusal names (a plain
-copy from ``model.state_dict()``) evaluates on rank 0 alone.
+0, which then follows rank 1 and the run goes on. Under ZeRO-3 ``model.state_dict()`` (which
+gathers) on rank 0 alone while rank 1 waits in ``lite.barrier()`` is refused at once too.
+Then the fix the refusal names (a plain copy from ``model.state_dict()``) evaluates on rank 0
+alone.
 Writes what rank 0 saw to $OUT.
 """
 
@@ -87,6 +89,14 @@ def refused(model: torch.nn.Module) -> str:
     return "no error"
 
 
+def refused_call(call) -> str:
+    try:
+        call()
+    except lite.MethodCalledOnSomeRanksError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def main(name: str) -> None:
     out: dict = {}
     with lite.launch(strategy=strategy_of(name), devices=2, accelerator="cpu", timeout=30) as run:
@@ -111,6 +121,8 @@ def main(name: str) -> None:
             train_step(model, opt, STEPS, rank)  # rank 1 went on to this; rank 0 follows it
             if rank == 0:
                 out["while_in_barrier"] = refused(model)
+                if name == "deepspeed_stage_3":  # gathers: rank 0 alone saving, as scripts do
+                    out["state_dict_alone"] = refused_call(model.state_dict)
             lite.barrier()
             weights = model.state_dict()  # the fix the refusal names: every rank gathers
             if name != "deepspeed_stage_3":  # DTensor shards under FSDP2

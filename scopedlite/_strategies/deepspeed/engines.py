@@ -45,7 +45,7 @@ from scopedlite._private.deepspeed_internals import forget_forward_stack, is_zer
 from scopedlite._private.torch_internals import registered_submodule
 from scopedlite._strategies.deepspeed.crossing import leaves_reached, refuse_crossing
 from scopedlite._strategies.deepspeed.logs import filtered_warnings
-from scopedlite._strategies.lockstep import Nesting
+from scopedlite._strategies.lockstep import Nesting, gathering_together
 from scopedlite._strategies.set_up import SetUpObjects
 from scopedlite._strategies.user_model import UserModelView, saving_method, user_owns, view_class
 
@@ -63,8 +63,9 @@ class EngineView(UserModelView):
     user's module owns sets it there.
 
     Under ZeRO-3 each rank holds a slice of every parameter: ``state_dict()`` gathers the
-    full values (every rank must call it, as every rank calls forward) and
-    ``load_state_dict()`` scatters them again. After a load, the optimizer's fp32 master
+    full values (every rank must call it, as every rank calls forward: a call on some ranks
+    only, or inside ``lite.join``, is refused before it gathers) and ``load_state_dict()``
+    scatters them again. After a load, the optimizer's fp32 master
     copies are refreshed from the loaded weights, or its next step would bring the old ones
     back.
     """
@@ -102,7 +103,10 @@ class EngineView(UserModelView):
             return inner.state_dict(*args, **kwargs)
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=None):
+        with (
+            self._lite_together(inner, "state_dict"),
+            deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=None),
+        ):
             state = inner.state_dict(*args, **kwargs)
             for key, value in state.items():  # the gathered storage is freed on exit
                 if isinstance(value, torch.Tensor):
@@ -116,7 +120,10 @@ class EngineView(UserModelView):
             import deepspeed
 
             # Every rank loads the same values; rank 0's are scattered on exit.
-            with deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=0):
+            with (
+                self._lite_together(inner, "load_state_dict"),
+                deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=0),
+            ):
                 result = inner.load_state_dict(state_dict, strict=strict, assign=assign)
         else:
             result = inner.load_state_dict(state_dict, strict=strict, assign=assign)
@@ -131,7 +138,14 @@ class EngineView(UserModelView):
         method = getattr(inner, name)
         if not _partitioned(self):
             return method
-        return saving_method(method, functools.partial(_gathered_state, inner))
+        return saving_method(
+            method, functools.partial(_gathered_state, inner), functools.partial(self._lite_together, inner, name)
+        )
+
+    def _lite_together(self, inner: torch.nn.Module, name: str) -> contextlib.AbstractContextManager[None]:
+        """Every rank gathers with this one, or it is refused (``lockstep.gathering_together``)."""
+        nesting = object.__getattribute__(self, "_lite_face_nesting")
+        return gathering_together(nesting, inner, f"{type(inner).__name__}.{name}")
 
     def _lite_inner(self) -> torch.nn.Module | None:
         return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")

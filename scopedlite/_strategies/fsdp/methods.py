@@ -40,7 +40,7 @@ import torch
 
 from scopedlite._private.torch_internals import fsdp_cast_forward_inputs, fsdp_post_forward, fsdp_pre_forward
 from scopedlite._strategies.join.members import in_join, refuse_gather_in_join
-from scopedlite._strategies.lockstep import GatherLedger, Nesting
+from scopedlite._strategies.lockstep import GatherLedger, Nesting, gathering_together
 from scopedlite._strategies.user_model import SAVING_METHODS, saving_method, share_tied, user_method_names
 
 __all__ = ["count_depth", "gather_for_user_methods"]
@@ -70,7 +70,9 @@ def gather_for_user_methods(
         method = getattr(root, name, None)
         if callable(method):
             root.__dict__[name] = saving_method(
-                _as_gathered(method, nestings[id(root)]), functools.partial(_full_state, root)
+                _as_gathered(method, nestings[id(root)]),
+                functools.partial(_full_state, root),
+                functools.partial(gathering_together, nestings[id(root)], root, f"{user_class.__name__}.{name}"),
             )
 
 

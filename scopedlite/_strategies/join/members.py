@@ -44,12 +44,14 @@ def in_join(module: torch.nn.Module | None = None) -> bool:
     return block is not None and (module is None or id(module) in block)
 
 
-def refuse_gather_in_join(method: str) -> None:
+def refuse_gather_in_join(
+    method: str, fix: str = "Call it outside the lite.join block, or do its work in forward."
+) -> None:
     """Raise: ``method`` (``"GPT.generate"``) needs the parameters gathered inside ``lite.join``."""
     raise RuntimeError(
         f"Inside lite.join, {method}() needs the model's parameters gathered, which ranks "
         "that have run out of data cannot take part in (they replay the model's forward, not "
-        "your methods). Call it outside the lite.join block, or do its work in forward."
+        f"your methods). {fix}"
     )
 
 
