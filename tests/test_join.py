@@ -143,15 +143,18 @@ def test_what_a_joined_rank_cannot_mirror_is_refused_on_every_rank_at_once(scrip
     loader (every rank has data: no rounds) gloo used to read past the shorter tensor (made-up
     values) or abort; over a plain loop the refusal showed two identical steps. And nanoGPT's
     torch.nn.utils.clip_grad_norm_ on FSDP's DTensor gradients inside lite.join all-reduced
-    over the ranks that had run out: it hung until SIGINT. Now the first call raises on every
-    rank, naming lite.clip_gradients (launch(timeout=300): a hang would be ended by the test's
-    timeout, not by this error)."""
+    over the ranks that had run out: it hung until SIGINT; so did a weight norm to log
+    (``sum(p.norm() ** 2 ...)``, reaching the others through torch's functional collectives).
+    Now the first call raises on every rank, naming the fix (launch(timeout=300): a hang would
+    be ended by the test's timeout, not by this error). A DTensor handed to lite.all_reduce is
+    refused, naming full_tensor() and to_local()."""
     result = script("join_refusals", "unmirrorable")
     assert result.returncode == 0, result.explain()
     calls = {
         "clip": "torch.nn.utils.clip_grad_norm_",
         "total": "torch.nn.utils.get_total_norm",
         "full": "DTensor.full_tensor()",
+        "norms": "A DTensor operation (torch's functional all_reduce)",
     }
     for rank, out in enumerate(result.json()):
         for name in ("loader_gather", "loader_reduce"):
@@ -172,6 +175,9 @@ def test_what_a_joined_rank_cannot_mirror_is_refused_on_every_rank_at_once(scrip
             assert error.startswith(f"RuntimeError: {call} was called inside lite.join (at "), error
             assert "join_refusals.py:" in error
         assert "lite.clip_gradients(model, optimizer, max_norm=...)" in out[f"{rank}:clip"]
+        assert "`t.to_local()` for this rank's shard" in out[f"{rank}:norms"]
+        dtensor = out[f"{rank}:dtensor"]
+        assert dtensor.startswith("TypeError: lite.all_reduce got a DTensor") and "t.full_tensor()" in dtensor
         assert out["after"] > 0  # outside the block torch's own call goes through, in step
 
 

@@ -17,6 +17,7 @@ of their own.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -62,11 +63,29 @@ def _check(run: Run, target: Any, what: str) -> None:
         check_same_collective(target, run.global_rank, run.strategy.comm_device, what)
 
 
-def _leaves(data: Any) -> list[Any]:
-    """``data``'s leaves, in the order ``map_leaves`` walks them on every rank."""
+def _leaves(data: Any, call: str | None = None) -> list[Any]:
+    """``data``'s leaves, in the order ``map_leaves`` walks them on every rank; for ``call``
+    (``"all_reduce"``), refusing a DTensor among them."""
     leaves: list[Any] = []
     map_leaves(data, leaves.append, _is_leaf)
+    if call is not None:
+        _refuse_dtensors(leaves, call)
     return leaves
+
+
+def _refuse_dtensors(leaves: list[Any], call: str) -> None:
+    """A DTensor's value is spread over the ranks (fsdp's parameters and gradients,
+    model_parallel's activations): which of it to send is the caller's to say. Refused on
+    every rank that passes one, before any collective (torch would raise inside its
+    dispatch, on each rank at its own moment)."""
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it
+    if module is None or not any(isinstance(leaf, module.DTensor) for leaf in leaves):
+        return
+    raise TypeError(
+        f"lite.{call} got a DTensor (a tensor sharded over the ranks, as fsdp's parameters and "
+        "gradients are): which part of it to send is yours to say. Pass `t.full_tensor()` "
+        "(the whole value, the same on every rank) or `t.to_local()` (this rank's shard)."
+    )
 
 
 def _rebuilt(data: Any, values: list[Any]) -> Any:
@@ -138,7 +157,7 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
     if run.world_size == 1:
         return data
     target = _target(run)
-    leaves = _leaves(data)
+    leaves = _leaves(data, "all_reduce")
     tensors = [_reduced_form(leaf, op, run.device) for leaf in leaves]
     for tensor in tensors:
         _check(run, target, describe("all_reduce", tensor, op=op))
@@ -169,7 +188,7 @@ def all_gather(data: Any) -> Any:
     if run.world_size == 1:
         return map_leaves(data, lambda leaf: _as_tensor(leaf, run.device).unsqueeze(0), _is_leaf)
     target = _target(run)
-    tensors = [_as_tensor(leaf, run.device) for leaf in _leaves(data)]
+    tensors = [_as_tensor(leaf, run.device) for leaf in _leaves(data, "all_gather")]
     for tensor in tensors:
         _check(run, target, describe("all_gather", tensor))
     _checked(run, target, "all_gather", None, data, tensors)
@@ -196,7 +215,7 @@ def gather_for_metrics(data: Any) -> Any:
     to see every sample once.
     """
     run = current()
-    leaves = _leaves(data)
+    leaves = _leaves(data, "gather_for_metrics")
     tensors = [_as_tensor(leaf, run.device).reshape(1) if _is_scalar(leaf) else leaf for leaf in leaves]
     if run.world_size == 1:
         return _rebuilt(data, tensors)

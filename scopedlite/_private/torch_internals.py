@@ -26,6 +26,7 @@ __all__ = [
     "ddp_syncs_gradients",
     "default_store",
     "forget_dtensor_shardings",
+    "functional_collectives",
     "held_by_python_only",
     "fsdp_cast_forward_inputs",
     "fsdp_post_forward",
@@ -428,3 +429,35 @@ def ddp_ignored_names(ddp: Any) -> set[str]:
     Checked against torch 2.13 (``DistributedDataParallel.__init__``).
     """
     return ddp.parameters_to_ignore  # type: ignore[no-any-return]
+
+
+def functional_collectives() -> tuple[Any, tuple[str, ...]]:
+    """torch's functional collectives module, and the names of its collectives present.
+
+    Why private: a DTensor reaches the other ranks through these functions (its placements'
+    reductions, gathers and scatters: ``p.norm()`` of a sharded parameter turned into a
+    number), not through a ``torch.distributed`` call, and torch has no public hook that runs
+    before a collective. Inside ``lite.join`` such a call from the user's loop would wait for
+    the ranks that ran out of data; ``join/guards.py`` refuses it through these names. Checked
+    against torch 2.9.0 (``all_gather_tensor``, ``reduce_scatter_tensor``) and 2.13.0 (which
+    adds ``all_gather_single`` and ``reduce_scatter_single`` and calls those).
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    names = (
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather_tensor",
+        "all_gather_single",
+        "all_gather_tensor_autograd",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor_autograd",
+        "reduce_scatter_tensor_coalesced",
+        "all_to_all_single",
+        "all_to_all_single_autograd",
+        "broadcast",
+        "permute_tensor",
+    )
+    return funcol, tuple(name for name in names if hasattr(funcol, name))

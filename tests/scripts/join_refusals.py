@@ -49,6 +49,7 @@ with lite.launch(
                 lambda: torch.nn.utils.get_total_norm(tensors=[p.grad for p in model.parameters()]),
             ),  # by keyword
             ("full", lambda: next(model.parameters()).full_tensor()),
+            ("norms", lambda: float(sum(p.norm() ** 2 for p in model.parameters()))),  # a weight norm to log
         ):
             try:
                 with lite.join(model):
@@ -60,6 +61,11 @@ with lite.launch(
                 result[f"{run.global_rank}:{name}"] = "no error"
             except RuntimeError as e:
                 result[f"{run.global_rank}:{name}"] = f"{type(e).__name__}: {e}"
+        try:  # a DTensor handed to our collectives: which part to send is the user's to say
+            lite.all_reduce(next(model.parameters()))
+            result[f"{run.global_rank}:dtensor"] = "no error"
+        except TypeError as e:
+            result[f"{run.global_rank}:dtensor"] = f"{type(e).__name__}: {e}"
         outside = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # outside the block: as torch
         result["after"] = float(lite.all_reduce(outside.full_tensor() if hasattr(outside, "full_tensor") else outside))
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Iterator
@@ -23,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._comm.debug import PACKAGE_DIR
+from scopedlite._private.torch_internals import functional_collectives
 from scopedlite._private.torch_patches import replaced
 
-__all__ = ["refuse_distributed_norms", "refuse_raw_collectives"]
+__all__ = ["refuse_distributed_norms", "refuse_dtensor_collectives", "refuse_raw_collectives"]
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
@@ -49,6 +51,7 @@ _RAW_COLLECTIVES = (
     "monitored_barrier",
 )
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_CONTEXTLIB = os.path.abspath(contextlib.__file__)
 # DeepSpeed's engine talks to torch.distributed from its own files (deepspeed.comm); found
 # without importing it.
 _DEEPSPEED_SPEC = importlib.util.find_spec("deepspeed")
@@ -113,6 +116,116 @@ def refuse_distributed_norms() -> Iterator[None]:
         replaced(dtensor, ["full_tensor"], lambda _, original: _guarded_full_tensor(original)),
     ):
         yield
+
+
+# Where a DTensor collective is the models' own work, which the ranks out of data replay or
+# mirror: a module's forward (tensor parallelism), an optimizer step, our code
+# (lite.clip_gradients, the session's replays), FSDP's and DeepSpeed's; and a backward, seen
+# by the torch functions that start one (torch/_tensor.py also holds Tensor.__pow__ & co, and a
+# DTensor's redistribution is an autograd Function in the forward direction too).
+_MIRRORED_DIRS = tuple(
+    os.path.join(_TORCH_DIR, *part) for part in (("nn", "modules", ""), ("optim", ""), ("distributed", "fsdp", ""))
+)
+_BACKWARD_STARTS = {
+    (os.path.join(_TORCH_DIR, "_tensor.py"), "backward"),
+    (os.path.join(_TORCH_DIR, "autograd", "__init__.py"), "backward"),
+    (os.path.join(_TORCH_DIR, "autograd", "__init__.py"), "grad"),
+    (os.path.join(_TORCH_DIR, "autograd", "graph.py"), "_engine_run_backward"),
+}
+
+
+def refuse_dtensor_collectives(replicas: tuple[int, ...]) -> contextlib.AbstractContextManager[None]:
+    """Inside ``lite.join``, an operation on DTensors called from the user's loop that reaches
+    other data-parallel replicas (``float(sum(p.norm() ** 2 for p in model.parameters()))`` on
+    FSDP's parameters, a sharded gradient's mean) raises at once instead of waiting for the
+    ranks that ran out of data until the timeout. Those reach the others through torch's
+    functional collectives, not a ``torch.distributed`` call, so they are guarded there
+    (``_private/torch_internals.functional_collectives``). The models' forwards, backwards and
+    optimizer steps go through (the ranks out of data replay them), and so does a collective
+    within one replica (tensor parallelism's, e.g. ``loss_parallel``). ``replicas``: the
+    data-parallel replica of each rank."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists before it
+        return contextlib.nullcontext()
+    module, names = functional_collectives()
+    rank, block = dist.get_rank(), _block_frame()
+    return replaced(module, names, lambda name, original: _guarded_functional(name, original, replicas, rank, block))
+
+
+def _block_frame() -> Any:
+    """The user's frame whose ``with lite.join(...)`` opens the block being entered."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((PACKAGE_DIR, _CONTEXTLIB)):
+        frame = frame.f_back
+    return frame
+
+
+def _guarded_functional(name: str, original: Any, replicas: tuple[int, ...], rank: int, block: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        caller = _loop_caller(block)
+        if caller is not None:
+            try:
+                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            except TypeError:  # torch says what is wrong with the call
+                group = None
+            if _spans_replicas(group, replicas, rank):
+                raise _unmirrorable(
+                    f"A DTensor operation (torch's functional {name})",
+                    caller,
+                    "Compute it after the `with lite.join(...)` block, or on plain tensors: "
+                    "`lite.clip_gradients` for a gradient norm, `t.to_local()` for this rank's "
+                    "shard (then `lite.all_reduce` it, which stays correct inside the block).",
+                )
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+def _loop_caller(block: Any) -> Any:
+    """The user's frame that led to this DTensor collective from the body of the join block
+    (``block``: the frame with its ``with`` statement), when nothing between that body and
+    here is a model's forward, a backward, an optimizer step, ours, FSDP's or DeepSpeed's
+    (see ``_MIRRORED_DIRS`` and ``_BACKWARD_STARTS``); else None (also where the call does not come from the block's
+    body: another thread)."""
+    frame = sys._getframe(2)
+    user = None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith((*_MIRRORED_DIRS, PACKAGE_DIR, _DEEPSPEED_DIR)) or (
+            (path, frame.f_code.co_name) in _BACKWARD_STARTS
+        ):
+            return None
+        if user is None and not path.startswith(_TORCH_DIR):
+            user = frame
+        if frame is block:
+            return user
+        frame = frame.f_back
+    return None
+
+
+def _spans_replicas(group: Any, replicas: tuple[int, ...], rank: int) -> bool:
+    """Whether the functional collective's ``group`` holds ranks of another replica than this
+    rank's (False where it cannot be told: such a call goes through, as before)."""
+    ranks = _ranks_of(group)
+    return ranks is not None and any(replicas[r] != replicas[rank] for r in ranks if 0 <= r < len(replicas))
+
+
+def _ranks_of(group: Any) -> list[int] | None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, (tuple, list)) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        group = group[0].get_group(group[1])
+    elif isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            return None
+        group = group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return list(dist.get_process_group_ranks(group))
+    if isinstance(group, list) and all(isinstance(r, int) for r in group):
+        return list(group)
+    return None
 
 
 def _user_caller() -> Any:

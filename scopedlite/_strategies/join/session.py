@@ -86,7 +86,11 @@ from scopedlite._strategies.join.collectives import (
     PeerLeftJoinError,
 )
 from scopedlite._strategies.join.events import EventRecorder
-from scopedlite._strategies.join.guards import refuse_distributed_norms, refuse_raw_collectives
+from scopedlite._strategies.join.guards import (
+    refuse_distributed_norms,
+    refuse_dtensor_collectives,
+    refuse_raw_collectives,
+)
 from scopedlite._strategies.join.members import join_block
 from scopedlite._strategies.join.message import (
     LENGTH,
@@ -214,6 +218,7 @@ class JoinSession:
             self._stack.enter_context(self.hook.install(self))
             self._stack.enter_context(refuse_raw_collectives())
             self._stack.enter_context(refuse_distributed_norms())
+            self._stack.enter_context(refuse_dtensor_collectives(self.replicas))
             self._stack.callback(self.events.close)
         except BaseException:
             self._stack.close()
