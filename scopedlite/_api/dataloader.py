@@ -68,12 +68,12 @@ class DeviceDataLoader:
         loader = self.cursor.begin_pass(self._epochs.begin())
         if self.feed is not None:
             reads = _ReadAhead(self.cursor.batches(loader), self.loader.generator)
-            yield from self.cursor.counted(self.feed(reads), reads.generator_states)
+            yield from _past_first(self.cursor.counted(self.feed(reads), reads.generator_states), self._epochs.count)
             return
         # Inside lite.join: the session learns this rank's length, and when a rank runs out.
         session = join_pass(len(loader) if loader is self.loader and _has_length(loader) else None)
         batches = self.cursor.counted(_moved(self.cursor.batches(loader), self.device))
-        yield from batches if session is None else _told(batches, session)
+        yield from _past_first(batches if session is None else _told(batches, session), self._epochs.count)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -92,6 +92,18 @@ def _moved(batches: Iterator[Any], device: torch.device | None) -> Iterator[Any]
     non_blocking = device.type == "cuda"
     for batch in batches:
         yield map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def _past_first(batches: Iterator[Any], count: Callable[[], None]) -> Iterator[Any]:
+    """``batches``, calling ``count()`` when the second is asked for or the pass ends: a pass
+    left after its first batch (a peek) is not counted (see ``PassCount.begin``)."""
+    first = True
+    for batch in batches:
+        if not first:
+            count()
+        first = False
+        yield batch
+    count()
 
 
 def _told(batches: Iterator[Any], session: Any) -> Iterator[Any]:

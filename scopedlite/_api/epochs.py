@@ -18,7 +18,9 @@ An epoch the script sets on one of the loader's samplers holds, as it does in to
 ``sampler.set_epoch(n)`` is called (on its own ``DistributedSampler``, as a torchrun script does,
 or on ours, ``loader.sampler``), every pass reads epoch n until the next call. torch's tutorial
 peeks at a batch (``next(iter(loader))``) before its epoch loop calls ``set_epoch(0)``: the
-peek is pass 0 of the count, and the loop's epoch 0 must still read epoch 0, not 1. A call is
+peek reads epoch 0 and the loop's epoch 0 must still read epoch 0, not 1. A peek is not counted
+as a pass at all (:meth:`PassCount.begin`): a pass counts once its loop reads past its first
+batch, or when it ends, so a peek on one rank only does not shift that rank's epochs. A call is
 told from the loader's own hand-over by identity: the loader hands each epoch as a
 :class:`_Handed` int, so a call of the script's stores another object, even for the same
 number. ``loader.set_epoch(n)`` instead sets the next pass, from which the count goes on.
@@ -196,32 +198,43 @@ class PassCount:
     def __init__(self, loader: DataLoader, start: int, book: EpochBook) -> None:  # type: ignore[type-arg]
         self.next = start
         self.held: int | None = None
+        self._uncounted: int | None = None  # the epoch of a pass begun and not yet counted
         self.holders = epoch_holders(loader)
         self._dataset = loader.dataset
         self._book = book
         self._seen = self._stamped()
 
     def begin(self) -> int:
-        """Start a pass: hand its epoch to the samplers and return it."""
+        """Start a pass: hand its epoch to the samplers and return it. The pass is counted
+        (the next one reads the following epoch) by :meth:`count`, once its loop reads past
+        its first batch or it ends: a peek (``next(iter(loader))``, often on one rank only)
+        is not a pass, or that rank would read another epoch's order than the others from
+        then on, losing some samples and repeating others in every epoch."""
         chosen = self._set_by_script()
         if chosen is not None:
             self.held = chosen
         epoch = self.next if self.held is None else self.held
         hand_epoch(_Handed(epoch), self.holders)
         self._seen = self._epochs()
-        self.next = epoch + 1
-        self._book.began(self._dataset, epoch)
+        self._uncounted = epoch
         return epoch
+
+    def count(self) -> None:
+        """The pass begun last reads past its first batch, or has ended: it counts (once)."""
+        epoch, self._uncounted = self._uncounted, None
+        if epoch is not None:
+            self.next = epoch + 1
+            self._book.began(self._dataset, epoch)
 
     def choose_next(self, epoch: int) -> None:
         """The next pass is ``epoch`` and the count goes on from it (``loader.set_epoch``);
         an epoch held since a sampler's ``set_epoch`` is let go."""
-        self.next, self.held = epoch, None
+        self.next, self.held, self._uncounted = epoch, None, None
 
     def restore(self, epoch: int, held: int | None = None) -> None:
         """The next pass is ``epoch``, or ``held`` for every pass (a loaded checkpoint); the
         samplers' epochs as they are now are not the script's choice."""
-        self.next, self.held = epoch, held
+        self.next, self.held, self._uncounted = epoch, held, None
         self._seen = self._stamped()
         if epoch > 0:
             self._book.began(self._dataset, epoch - 1)

@@ -3,8 +3,10 @@
 Two launch blocks in one process: 2 ranks (the script re-executed), then 3 ranks (forked, as a
 later block must be). Both run the same body over one module-level training set, so a count
 carried from the first block into the second would show. Rank 0 writes every rank's record of
-both blocks. Every rank also prints LINES lines at the same moment (the test runs this with
-PYTHONUNBUFFERED=1, where print writes the text and the newline separately).
+both blocks. Rank 0 alone peeks at the training loader (``next(iter(loader))``) before the
+epoch loop: every rank must still read the same epochs. Every rank also prints LINES lines at
+the same moment (the test runs this with PYTHONUNBUFFERED=1, where print writes the text and
+the newline separately).
 """
 
 import torch
@@ -61,6 +63,8 @@ def body(run):
         DataLoader(val_set, batch_size=3, sampler=DistributedSampler(val_set, shuffle=True, seed=3))
     )
     record = {"train": [], "val": []}
+    if run.global_rank == 0:  # rank 0 alone peeks at a batch, as scripts do: not a pass (its
+        next(iter(train))  # epochs would run one ahead of the others', losing and repeating samples)
     for _ in range(3):  # train and validation in turn, as a training script does
         record["train"].append(flat(train))
         record["val"].append(flat(val))
