@@ -97,6 +97,44 @@ def test_work_is_not_a_wait(chain):
     assert not _look(chain).waiting
 
 
+def test_a_backward_is_a_wait_only_while_the_process_uses_no_cpu():
+    """DDP's gradient all-reduce is waited for inside torch's autograd engine (C++), its bucket
+    rebuild inside its forward: a rank there is waiting while its process stands still, and
+    working while it computes."""
+    look = _look(
+        [
+            ("main", USER),
+            ("backward", "/repo/scopedlite/_api/setup.py"),
+            ("backward", f"{SITE}/torch/autograd/__init__.py"),
+            ("_engine_run_backward", f"{SITE}/torch/autograd/graph.py"),
+        ]
+    )
+    assert look.waiting and look.idle_only
+    assert look.where == "a backward's gradient collectives (train.py:2)"
+    rebuild = _look(
+        [
+            ("main", USER),
+            ("forward", "/repo/scopedlite/_strategies/user_model.py"),
+            ("_pre_forward", f"{SITE}/torch/nn/parallel/distributed.py"),
+        ]
+    )
+    assert rebuild.idle_only and rebuild.where == "DistributedDataParallel's forward collectives (train.py:2)"
+    clocks = {"cpu": 0.0, "wall": 0.0}
+    progress = Progress(lambda: (1, 1), lambda: 0, lambda: (clocks["cpu"], clocks["wall"]))
+    first = progress.update(look)
+    clocks["wall"] += 2.0
+    clocks["cpu"] += 0.01  # the watchdog's own look: standing still
+    assert progress.update(look) == first
+    clocks["wall"] += 2.0
+    clocks["cpu"] += 1.5  # computing the backward
+    assert progress.update(look) == first + 1
+    clocks["wall"] += 2.0
+    assert progress.update(_waiting()) == first + 2  # a plain collective needs no clock
+    clocks["wall"] += 2.0
+    clocks["cpu"] += 2.0  # gloo's own threads may spin: a collective stays one wait
+    assert progress.update(_waiting()) == first + 2
+
+
 def _waiting(place: int = 1) -> Look:
     return Look("all_reduce (train.py:2)", ("distributed_c10d.py", place))
 
@@ -183,6 +221,23 @@ def test_a_desync_is_ended_by_the_watchdog_not_the_collective_timeout(script):
     assert out["error"] == "CollectiveTimeoutError", result.explain()
     assert "every rank waits for the others (stall window 2 s, SCOPEDLITE_HANG_TIMEOUT)" in out["message"]
     _assert_where_every_rank_waits(out["message"])
+    _assert_no_survivors(out["pids"])
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_alone_in_a_collective_while_the_others_are_in_ddps_backward_is_ended(script):
+    """Rank 0 alone in lite.barrier() after a step; ranks 1 and 2 in the next step's backward,
+    waiting in DDP's gradient all-reduce inside torch's autograd engine. Under
+    launch(timeout=300) only the watchdog (window 2 s) ends it within the test's limit."""
+    result = script("stall", "backward", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    out = result.json()
+    assert out["error"] == "CollectiveTimeoutError", result.explain()
+    message = out["message"]
+    barrier = _line_of("lite.barrier()  # rank 0 alone")
+    backward = _line_of("lite.backward(model(torch.ones(2, 4)).sum())")
+    assert f"rank 0: waits in barrier (stall.py:{barrier})" in message, message
+    for rank in (1, 2):
+        assert f"rank {rank}: waits in a backward's gradient collectives (stall.py:{backward})" in message, message
     _assert_no_survivors(out["pids"])
 
 

@@ -6,9 +6,14 @@ thread, but for Ray Train's training thread) every few seconds. A look says
 peers: a ``torch.distributed`` collective (c10d, functional collectives, FSDP2's all-gather
 and reduce-scatter waits), DeepSpeed's ``deepspeed.comm``, or our own communication
 (``scopedlite/_comm``: our collectives and the end-of-block barrier). Anything else is
-*working*: Python code, a long backward in C++ under ``torch.autograd``, a checkpoint being
-written. Only the innermost frame counts: torchrun's ``@record`` wraps the whole program in a
-``torch.distributed`` frame.
+*working*: Python code, a checkpoint being written. Only the innermost frame counts:
+torchrun's ``@record`` wraps the whole program in a ``torch.distributed`` frame. A backward
+(torch's autograd engine, in C++) and DDP's forward are both: DDP's gradient all-reduce,
+FSDP's reduce-scatter and DDP's bucket rebuild are waited for in there, out of Python's
+sight, so a rank in one counts as waiting only while its process uses next to no CPU
+(:data:`BUSY_SHARE`); computing, it works. Before, a rank that went on to its next backward
+while another called a collective alone (``if rank == 0: lite.barrier()``) was *working* for
+ever, and the run hung until the collective timeout (30 minutes), SIGTERM included.
 
 A rank waits *continuously* only while nothing moves. A new wait begins (the episode number
 goes up) whenever a look finds the rank working, in another place, or when anything shows
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from types import FrameType
@@ -41,6 +47,18 @@ _WAIT_FILES = (
     "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py",
 )
 _WAIT_FOLDERS = ("/deepspeed/comm/", "/scopedlite/_comm/")
+# Where torch waits for its peers in C++, out of Python's sight, inside work: a backward runs
+# torch's autograd engine, where DDP's gradient all-reduce and FSDP's reduce-scatter are
+# waited for; DDP's forward rebuilds its buckets and broadcasts buffers from C++. A rank in
+# there is waiting only while its process uses next to no CPU (see ``Progress``); computing,
+# it works. (path ending, function or None for any, what the report calls the wait)
+_IN_CPP = (
+    ("torch/autograd/graph.py", "_engine_run_backward", "a backward's gradient collectives"),
+    ("torch/nn/parallel/distributed.py", None, "DistributedDataParallel's forward collectives"),
+)
+#: A rank in a backward whose process used more CPU than this share of the time between two
+#: looks is computing (a wait in gloo or NCCL blocks its threads and uses next to none).
+BUSY_SHARE = 0.1
 # Frames a wait calls into briefly and returns from (rank 0's end-of-block barrier asks the
 # supervisor at every poll whether a worker failed): seen innermost, they do not end a wait.
 _PASSING = ("/scopedlite/_launch/supervise.py",)
@@ -62,10 +80,13 @@ class Look:
         where: What the thread waits in, with the user's line that called it
             (``"all_reduce (train.py:12)"``); None when it is working.
         place: The innermost frame (file, line): a wait that moves is a new one.
+        idle_only: A backward (torch's autograd engine): a wait only while the process
+            uses next to no CPU, which only :class:`Progress` can tell.
     """
 
     where: str | None
     place: tuple[str, int]
+    idle_only: bool = False
 
     @property
     def waiting(self) -> bool:
@@ -88,9 +109,10 @@ def look_at(frame: FrameType | None) -> Look:
     if frame is None:
         return Look(None, ("", 0))
     place = (frame.f_code.co_filename, frame.f_lineno or 0)
-    if not _is_wait(frame.f_code.co_filename):
+    in_cpp = _in_cpp(frame)
+    if not (in_cpp or _is_wait(frame.f_code.co_filename)):
         return Look(None, place)
-    waits_in = frame.f_code.co_name  # the collective itself: all_reduce, barrier, wait_for_unshard
+    waits_in = in_cpp or frame.f_code.co_name  # or the collective itself: all_reduce, barrier, ...
     caller: FrameType | None = frame
     while caller is not None and _is_wait(caller.f_code.co_filename):
         if caller.f_code.co_name in _BLOCK_END:
@@ -100,7 +122,16 @@ def look_at(frame: FrameType | None) -> Look:
         caller = caller.f_back
     if caller is not None:
         waits_in += f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
-    return Look(waits_in, place)
+    return Look(waits_in, place, idle_only=bool(in_cpp))
+
+
+def _in_cpp(frame: FrameType) -> str | None:
+    """What torch may wait in, in C++, below ``frame`` (see ``_IN_CPP``), or None."""
+    path = _normal(frame.f_code.co_filename)
+    for ending, function, what in _IN_CPP:
+        if path.endswith(ending) and function in (None, frame.f_code.co_name):
+            return what
+    return None
 
 
 # A look at the main thread (sys._current_frames) holds CPython's thread-list lock, and a
@@ -136,29 +167,37 @@ class Progress:
         sequence_numbers: The sequence numbers of this process's groups (each collective
             moves one), or None where torch cannot say.
         written: Bytes the process wrote so far, or None where the system cannot say.
+        clocks: The process's CPU time and the wall time, in seconds (a look inside a
+            backward is a wait only while the first hardly moves: see :data:`BUSY_SHARE`).
     """
 
     def __init__(
-        self, sequence_numbers: Callable[[], tuple[int, ...] | None], written: Callable[[], int | None]
+        self,
+        sequence_numbers: Callable[[], tuple[int, ...] | None],
+        written: Callable[[], int | None],
+        clocks: Callable[[], tuple[float, float]] = lambda: (time.process_time(), time.monotonic()),
     ) -> None:
         self._sequence_numbers = sequence_numbers
         self._written = written
+        self._clocks = clocks
         self.episode = 0
-        self._last: tuple[Look, tuple[int, ...] | None, int | None] | None = None
+        self._last: tuple[Look, tuple[int, ...] | None, int | None, tuple[float, float]] | None = None
 
     def update(self, look: Look) -> int:
         """Record one look; return the wait episode it belongs to."""
-        numbers, written = self._sequence_numbers(), self._written()
-        last, self._last = self._last, (look, numbers, written)
+        numbers, written, clocks = self._sequence_numbers(), self._written(), self._clocks()
+        last, self._last = self._last, (look, numbers, written, clocks)
         if last is None or not look.waiting:
             self.episode += 1
             return self.episode
-        before, numbers_before, written_before = last
+        before, numbers_before, written_before, clocks_before = last
+        cpu, wall = clocks[0] - clocks_before[0], clocks[1] - clocks_before[1]
         moved = (
             look != before
             or numbers is None
             or numbers != numbers_before
             or (written is not None and written_before is not None and written - written_before > WRITTEN_BYTES)
+            or (look.idle_only and cpu > BUSY_SHARE * wall)
         )
         if moved:
             self.episode += 1

@@ -5,11 +5,17 @@ argv: mode
   sigterm: step 2 only, stall detection off (SCOPEDLITE_HANG_TIMEOUT=off); the test sends
     rank 0 a SIGTERM (as `timeout 120 python train.py` does) and a short grace
     (SCOPEDLITE_TERM_GRACE) ends the run.
+  backward: step 3 only, with the short stall window.
 
 1. Rank 0 works alone (in Python) for three stall windows while ranks 1 and 2 wait for it in
    lite.barrier(): no stall, the barrier passes.
 2. Rank 1 skips an all_reduce that ranks 0 and 2 wait in, and goes to the end of the block:
    the watchdog ends the run, naming where every rank waits.
+3. DDP training: after a step, rank 0 alone calls lite.barrier() (as a misplaced
+   `if rank == 0:` block does) while ranks 1 and 2 go on to the next step, whose backward
+   waits for rank 0 in DDP's gradient all-reduce, inside torch's autograd engine: the
+   watchdog ends the run (it took the backward for work and waited out the collective
+   timeout before).
 """
 
 import json
@@ -34,9 +40,15 @@ try:
                 time.sleep(3 * float(os.environ["SCOPEDLITE_HANG_TIMEOUT"]))  # legitimate work, rank 0 alone
             lite.barrier()
             outcome["barrier_passed"] = True
+        if mode == "backward":
+            model, opt = lite.setup(torch.nn.Linear(4, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+            for step in range(3):
+                lite.backward(model(torch.ones(2, 4)).sum())
+                if step == 1 and run.is_global_zero:  # after DDP's bucket rebuild (2nd forward)
+                    lite.barrier()  # rank 0 alone
         if mode == "sigterm" and run.is_global_zero:
             Path(f"{OUT}.ready").touch()  # the test sends SIGTERM now
-        if run.global_rank != 1:
+        if mode != "backward" and run.global_rank != 1:
             lite.all_reduce(torch.ones(2))  # rank 1 skipped it
 except BaseException as e:  # noqa: BLE001 - report whatever came out
     outcome.update(error=type(e).__name__, message=str(e))
