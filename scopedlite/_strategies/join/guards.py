@@ -187,8 +187,8 @@ def _loop_caller(block: Any) -> Any:
     """The user's frame that led to this DTensor collective from the body of the join block
     (``block``: the frame with its ``with`` statement), when nothing between that body and
     here is a model's forward, a backward, an optimizer step, ours, FSDP's or DeepSpeed's
-    (see ``_MIRRORED_DIRS`` and ``_BACKWARD_STARTS``); else None (also where the call does not come from the block's
-    body: another thread)."""
+    (see ``_MIRRORED_DIRS`` and ``_BACKWARD_STARTS``); else None (also where the call does
+    not come from the block's body: another thread)."""
     frame = sys._getframe(2)
     user = None
     while frame is not None:
@@ -213,11 +213,11 @@ def _spans_replicas(group: Any, replicas: tuple[int, ...], rank: int) -> bool:
 
 
 def _ranks_of(group: Any) -> list[int] | None:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(group, (tuple, list)) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+    # no DeviceMesh exists before its module is imported (and importing it costs ~0.1 s)
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", ())
+    if isinstance(group, (tuple, list)) and len(group) == 2 and isinstance(group[0], mesh_type):
         group = group[0].get_group(group[1])
-    elif isinstance(group, DeviceMesh):
+    elif isinstance(group, mesh_type):
         if group.ndim != 1:
             return None
         group = group.get_group()
