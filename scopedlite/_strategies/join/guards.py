@@ -126,6 +126,8 @@ def refuse_distributed_norms() -> Iterator[None]:
 _MIRRORED_DIRS = tuple(
     os.path.join(_TORCH_DIR, *part) for part in (("nn", "modules", ""), ("optim", ""), ("distributed", "fsdp", ""))
 )
+# (_DEEPSPEED_DIR is torch's own where DeepSpeed is not installed: torch's frames are not mirrored)
+_MIRRORED = (*_MIRRORED_DIRS, PACKAGE_DIR) + ((_DEEPSPEED_DIR,) if _DEEPSPEED_DIR != _TORCH_DIR else ())
 _BACKWARD_STARTS = {
     (os.path.join(_TORCH_DIR, "_tensor.py"), "backward"),
     (os.path.join(_TORCH_DIR, "autograd", "__init__.py"), "backward"),
@@ -193,9 +195,7 @@ def _loop_caller(block: Any) -> Any:
     user = None
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith((*_MIRRORED_DIRS, PACKAGE_DIR, _DEEPSPEED_DIR)) or (
-            (path, frame.f_code.co_name) in _BACKWARD_STARTS
-        ):
+        if path.startswith(_MIRRORED) or ((path, frame.f_code.co_name) in _BACKWARD_STARTS):
             return None
         if user is None and not path.startswith(_TORCH_DIR):
             user = frame
