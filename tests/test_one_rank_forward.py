@@ -141,5 +141,11 @@ def test_a_sharded_forward_on_some_ranks_is_refused_at_once_with_the_fix(script,
         message = out["state_dict_alone"]
         assert message.startswith("MethodCalledOnSomeRanksError: Sequential.state_dict() needs the parameters"), message
         assert "only rank(s) [0] called it (rank 1 waits in a collective" in message, message
+    for loaded in out["plain_file"]:  # rank 0's torch.save(model.state_dict()), loaded on every rank
+        if strategy == "deepspeed_stage_3":  # gathered: the whole model
+            assert loaded == "loaded", loaded
+        else:  # DTensors: rank 0's shards only, refused rather than loaded half-wrong
+            assert loaded.startswith("CheckpointError: plain_state.pt holds DTensors"), loaded
+            assert "`full = {k: v.full_tensor() for k, v in model.state_dict().items()}`" in loaded, loaded
     # the fix it names: a plain copy from model.state_dict(), evaluated on rank 0 alone
     assert_close(out["plain_copy"], after_four, 1e-5, "rank 0's plain copy")

@@ -14,6 +14,7 @@ means, or cannot be told, it is refused with the line that loads it:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ def as_entries(checkpoint: Checkpoint, state: dict[str, Any], strict: bool) -> C
     ):
         return checkpoint
     keys = list(checkpoint.content)
+    _refuse_shards(checkpoint)
     held = f"{checkpoint.path} holds tensors by name only (keys {_few(keys)}), as torch.save(model.state_dict()) writes"
     modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
     if not modules:
@@ -65,6 +67,26 @@ def as_entries(checkpoint: Checkpoint, state: dict[str, Any], strict: bool) -> C
             "it is another module's state dict. Load it into the module it was saved from."
         )
     return entries
+
+
+def _refuse_shards(checkpoint: FileCheckpoint) -> None:
+    """A file of DTensors (``torch.save(model.state_dict())`` of an fsdp or model_parallel
+    model) holds the shards of the one rank that saved it: the other ranks' parts of every
+    tensor are not in it, so it cannot be loaded as the model's values. Refused, naming the
+    two ways to save the whole model (torch's own error was a mixed Tensor/DTensor copy_)."""
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor was unpickled before it
+    if module is None:
+        return
+    sharded = [k for k, v in checkpoint.content.items() if isinstance(v, module.DTensor)]
+    if sharded:
+        raise CheckpointError(
+            f"{checkpoint.path} holds DTensors ({_few(sharded)}): torch.save(model.state_dict()) of a model "
+            "sharded by fsdp or model_parallel writes only the shard of the rank that saved it, so the "
+            "other ranks' parts are not in the file. Save the whole model with "
+            "lite.save(path, {'model': model}) on every rank, or gather it on every rank first: "
+            "`full = {k: v.full_tensor() for k, v in model.state_dict().items()}`, then torch.save(full, path) "
+            "on rank 0."
+        )
 
 
 def _only(key: str) -> str:

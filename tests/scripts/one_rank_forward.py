@@ -13,7 +13,9 @@ lite.barrier(), then after rank 1 reached the end of the block: each refused at 
 0, which then follows rank 1 and the run goes on. Under ZeRO-3 ``model.state_dict()`` (which
 gathers) on rank 0 alone while rank 1 waits in ``lite.barrier()`` is refused at once too.
 Then the fix the refusal names (a plain copy from ``model.state_dict()``) evaluates on rank 0
-alone.
+alone. Rank 0 saves ``torch.save(model.state_dict())`` as a DDP script does: under ZeRO-3 (full
+tensors) ``lite.load`` reads it back; under FSDP2 (rank 0's DTensor shards only) it is refused on
+every rank, naming how to save the whole model.
 Writes what rank 0 saw to $OUT.
 """
 
@@ -124,9 +126,20 @@ def main(name: str) -> None:
                 if name == "deepspeed_stage_3":  # gathers: rank 0 alone saving, as scripts do
                     out["state_dict_alone"] = refused_call(model.state_dict)
             lite.barrier()
-            weights = model.state_dict()  # the fix the refusal names: every rank gathers
+            raw = model.state_dict()  # the fix the refusal names: every rank gathers
             if name != "deepspeed_stage_3":  # DTensor shards under FSDP2
-                weights = {k: v.full_tensor() for k, v in weights.items()}
+                weights = {k: v.full_tensor() for k, v in raw.items()}
+            else:
+                weights = raw
+            if rank == 0:  # as a DDP script saves: rank 0's state dict, whatever it holds
+                torch.save(raw, "plain_state.pt")
+            lite.barrier()
+            try:
+                lite.load("plain_state.pt", {"model": model})
+                loaded = "loaded"
+            except lite.CheckpointError as e:
+                loaded = f"CheckpointError: {e}"
+            out["plain_file"] = from_every_rank(loaded)
             if rank == 0:
                 copy = make_model()
                 copy.load_state_dict(weights)
