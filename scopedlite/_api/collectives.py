@@ -17,7 +17,6 @@ of their own.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from scopedlite._api.current import current
 from scopedlite._api.join import active_session
 from scopedlite._comm.debug import check_same_collective, debug_enabled, describe
 from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
+from scopedlite._core.dtensors import is_dtensor
 from scopedlite._core.run import Run
 from scopedlite._core.structures import map_leaves, map_tensors, structure_of
 from scopedlite._strategies.base import REDUCE_OPS
@@ -78,8 +78,7 @@ def _refuse_dtensors(leaves: list[Any], call: str) -> None:
     model_parallel's activations): which of it to send is the caller's to say. Refused on
     every rank that passes one, before any collective (torch would raise inside its
     dispatch, on each rank at its own moment)."""
-    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it
-    if module is None or not any(isinstance(leaf, module.DTensor) for leaf in leaves):
+    if not any(is_dtensor(leaf) for leaf in leaves):
         return
     raise TypeError(
         f"lite.{call} got a DTensor (a tensor sharded over the ranks, as fsdp's parameters and "

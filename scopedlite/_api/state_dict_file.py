@@ -14,11 +14,11 @@ means, or cannot be told, it is refused with the line that loads it:
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
+from scopedlite._core.dtensors import is_dtensor
 from scopedlite._io.canonical import Checkpoint, without_wrapper_prefix
 from scopedlite._io.file_format import FileCheckpoint
 from scopedlite._io.files import CheckpointError
@@ -74,10 +74,7 @@ def _refuse_shards(checkpoint: FileCheckpoint) -> None:
     model) holds the shards of the one rank that saved it: the other ranks' parts of every
     tensor are not in it, so it cannot be loaded as the model's values. Refused, naming the
     two ways to save the whole model (torch's own error was a mixed Tensor/DTensor copy_)."""
-    module = sys.modules.get("torch.distributed.tensor")  # no DTensor was unpickled before it
-    if module is None:
-        return
-    sharded = [k for k, v in checkpoint.content.items() if isinstance(v, module.DTensor)]
+    sharded = [k for k, v in checkpoint.content.items() if is_dtensor(v)]
     if sharded:
         raise CheckpointError(
             f"{checkpoint.path} holds DTensors ({_few(sharded)}): torch.save(model.state_dict()) of a model "

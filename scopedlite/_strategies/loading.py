@@ -11,22 +11,16 @@ like its parameter, through ``optimizer.load_state_dict``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Hashable, Sequence
 
 import torch
 
+from scopedlite._core.dtensors import dtensor_class
 from scopedlite._io.canonical import Box, OptimizerEntry, TensorInfo, Tensors
 from scopedlite._io.files import CheckpointError
 from scopedlite._private.torch_internals import local_box
 
 __all__ = ["check_keys", "check_shape", "load_module", "load_optimizer", "parameter_names"]
-
-
-def _dtensor() -> type | None:
-    """DTensor's class, if anything in this process made one (else nothing can be one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
 
 
 def check_keys(expected: Sequence[str], tensors: Tensors, strict: bool, what: str) -> list[str]:
@@ -55,7 +49,7 @@ def check_shape(key: Hashable, info: TensorInfo, shape: Sequence[int]) -> None:
 def load_module(module: torch.nn.Module, tensors: Tensors, strict: bool) -> None:
     """Load ``tensors`` (a module entry) into ``module``, each rank reading what it holds."""
     targets = module.state_dict(keep_vars=True)
-    dtensor = _dtensor()
+    dtensor = dtensor_class()
     if dtensor is None or not any(isinstance(v, dtensor) for v in targets.values()):
         keys = [k for k in targets if k in tensors.info] if not strict else list(tensors.info)
         state = dict(zip(keys, tensors.read_many([(k, None) for k in keys])))
@@ -119,7 +113,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, entry: OptimizerEntry, name
 def _like(tensors: Tensors, key: Hashable, info: TensorInfo, param: torch.Tensor) -> torch.Tensor:
     """The tensor ``key``, shaped and sharded like ``param`` (a new tensor of this rank's own)."""
     check_shape(key, info, param.shape)
-    dtensor = _dtensor()
+    dtensor = dtensor_class()
     if dtensor is not None and isinstance(param, dtensor):
         offsets, sizes = local_box(param)
         local = tensors.read(key, Box(offsets, sizes)).to(param.device, copy=True)

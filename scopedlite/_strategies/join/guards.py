@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._comm.debug import PACKAGE_DIR
+from scopedlite._core.dtensors import dtensor_class
 from scopedlite._private.torch_internals import functional_collectives
 from scopedlite._private.torch_patches import replaced
 
@@ -101,11 +102,10 @@ def refuse_distributed_norms() -> Iterator[None]:
     replay the models' steps and our calls only). Over plain tensors (ddp) a norm is local
     and goes through. Replaced on ``torch.nn.utils``, ``torch.nn.utils.clip_grad`` and
     ``DTensor`` for the block only."""
-    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it
-    if tensor_module is None:
+    dtensor = dtensor_class()
+    if dtensor is None:
         yield
         return
-    dtensor = tensor_module.DTensor
 
     def norm(name: str, original: Any) -> Any:
         return _guarded_norm(name, original, dtensor)
@@ -146,7 +146,7 @@ def refuse_dtensor_collectives(replicas: tuple[int, ...]) -> contextlib.Abstract
     optimizer steps go through (the ranks out of data replay them), and so does a collective
     within one replica (tensor parallelism's, e.g. ``loss_parallel``). ``replicas``: the
     data-parallel replica of each rank."""
-    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists before it
+    if dtensor_class() is None:
         return contextlib.nullcontext()
     module, names = functional_collectives()
     rank, block = dist.get_rank(), _block_frame()
