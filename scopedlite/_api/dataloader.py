@@ -9,6 +9,7 @@ strategy when it has a way of its own (``SupportsDeviceFeed``), else to ``.to(de
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -97,13 +98,9 @@ def _moved(batches: Iterator[Any], device: torch.device | None) -> Iterator[Any]
 def _past_first(batches: Iterator[Any], count: Callable[[], None]) -> Iterator[Any]:
     """``batches``, calling ``count()`` when the second is asked for or the pass ends: a pass
     left after its first batch (a peek) is not counted (see ``PassCount.begin``)."""
-    first = True
-    for batch in batches:
-        if not first:
-            count()
-        first = False
-        yield batch
-    count()
+    yield from itertools.islice(batches, 1)
+    count()  # the loop asks for a second batch (or the pass had none): a peek never gets here
+    yield from batches
 
 
 def _told(batches: Iterator[Any], session: Any) -> Iterator[Any]:

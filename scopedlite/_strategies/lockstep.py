@@ -47,7 +47,14 @@ import torch.distributed as dist
 from scopedlite._private.torch_internals import default_store
 from scopedlite._strategies.join.members import in_join, refuse_gather_in_join
 
-__all__ = ["ForwardOnSomeRanksError", "GatherLedger", "MethodCalledOnSomeRanksError", "Nesting", "gathering_together"]
+__all__ = [
+    "ForwardOnSomeRanksError",
+    "GatherLedger",
+    "MethodCalledOnSomeRanksError",
+    "Nesting",
+    "every_rank_calls",
+    "gathering_together",
+]
 
 _FORWARD = "forward"  # a training forward: written, never checked
 EVALUATION = "an evaluation forward"  # grad disabled or the model in eval(): checked
@@ -308,6 +315,17 @@ def gathering_together(nesting: Nesting | None, user_module: torch.nn.Module, na
     """
     if in_join(user_module):
         refuse_gather_in_join(name, "Call it on every rank after the `with lite.join(...)` block.")
+    with every_rank_calls(nesting, name):
+        yield
+
+
+@contextlib.contextmanager
+def every_rank_calls(nesting: Nesting | None, name: str) -> Iterator[None]:
+    """An outermost call of ``name`` (``"GPT.generate"``) that gathers: the ledger returns
+    when every rank calls it too, or raises :class:`MethodCalledOnSomeRanksError`; the call
+    is counted as a method of ``nesting`` (a forward inside it is no gathering step of its
+    own). Inside a forward or a method already checked, or on one rank (``nesting`` None),
+    it runs as it is."""
     if nesting is None or nesting.depth:
         yield
         return

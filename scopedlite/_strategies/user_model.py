@@ -25,7 +25,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -34,10 +34,8 @@ from scopedlite._private.torch_internals import has_registered, registered_submo
 from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.ddp.unused import forward_naming_unused
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
+from scopedlite._strategies.lockstep import Nesting, every_rank_calls
 from scopedlite._strategies.method_results import on_backward
-
-if TYPE_CHECKING:
-    from scopedlite._strategies.lockstep import Nesting
 
 __all__ = [
     "SAVING_METHODS",
@@ -210,12 +208,7 @@ def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) 
             return on_backward(method(*args, **kwargs), functools.partial(refuse_backward_in_join, qualified))
         if not (wrapper.lite_always_through_forward or torch.is_grad_enabled()):
             return method(*args, **kwargs)
-        nesting = wrapper._lite_nesting()  # ZeRO-3 over several ranks
-        if nesting is None or nesting.depth:
-            return _run_through_forward(wrapper, inner, method, args, kwargs)
-        if nesting.ledger is not None:
-            nesting.ledger.method(qualified)  # every rank gathers with us, or this raises
-        with nesting.method():
+        with every_rank_calls(wrapper._lite_nesting(), qualified):  # ZeRO-3 over several ranks
             return _run_through_forward(wrapper, inner, method, args, kwargs)
 
     return call
