@@ -105,3 +105,29 @@ def test_sigterm_to_every_process_at_once_is_one_clean_stop(tmp_path):
     for pid in pids:
         if psutil.pid_exists(pid):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"process {pid} survived"
+
+
+def test_a_killed_rank_is_the_cause_even_when_its_peer_is_reaped_first(tmp_path):
+    """A rank killed by a signal closes its sockets a moment before it can be reaped; its peer's
+    "Connection closed by peer" may exit first. The supervisor must not stop the killed rank
+    itself and so count it among the ranks it stopped: the killed rank is the cause to report
+    (CI once reported rank 0's own gloo error instead). Real processes: rank 1 exits at once
+    with a consequence, rank 2 is SIGKILLed 0.1 s later."""
+    import subprocess
+    import sys
+
+    from scopedlite._launch.supervise import PopenWorker, Supervisor
+
+    (tmp_path / "rank1.txt").write_text("RuntimeError: Connection closed by peer [127.0.0.1]:1234\n")
+    follower = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    dying = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(0.1); os.kill(os.getpid(), 9)"])
+    follower.wait()
+    supervisor = Supervisor([PopenWorker(1, follower), PopenWorker(2, dying)], tmp_path)
+    try:
+        failures = supervisor.wait_for_failure(0.5)
+        supervisor.kill_all()
+        assert [f.rank for f in failures] == [2], failures
+        assert failures[0].signal_name == "SIGKILL"
+    finally:
+        dying.kill()
+        dying.wait()

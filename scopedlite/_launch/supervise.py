@@ -27,6 +27,10 @@ from scopedlite._launch.stacks import collect_stacks, says_timed_out
 __all__ = ["RankFailure", "Supervisor", "WorkerFailedError", "is_consequence", "set_parent_death_signal"]
 
 POLL_SECONDS = 0.05
+#: How long a failure that only follows another (a peer's "Connection closed") waits for that
+#: other's exit before the rest are stopped: a rank killed by a signal closes its sockets a
+#: moment before it can be reaped, and one stopped by us is not reported as a cause.
+CAUSE_GRACE_SECONDS = 0.3
 
 # The signal used to interrupt the main thread. A real-time signal is unlikely to be in use
 # by the program (SIGUSR1 often is: SLURM sends it before preemption).
@@ -256,7 +260,10 @@ class Supervisor:
             bad = None if self._failed.is_set() else self._first_bad_exit()
             if bad is not None:
                 self._failed.set()
-                if RankFailure(bad.rank, bad.poll(), self._traceback_of(bad.rank), self._reason_of(bad.rank)).timed_out:
+                failure = self._failure_of(bad)
+                if is_consequence(failure):
+                    self._await_cause(CAUSE_GRACE_SECONDS)
+                if failure.timed_out:
                     # A collective timed out there: the ranks still waiting in it, or not, are
                     # the diagnosis (lite.CollectiveTimeoutError). Ask them before they go.
                     self.stacks = collect_stacks(self.workers, self.error_dir)
@@ -317,6 +324,21 @@ class Supervisor:
                 return worker
         return None
 
+    def _failure_of(self, worker: WorkerProcess) -> RankFailure:
+        return RankFailure(worker.rank, worker.poll(), self._traceback_of(worker.rank), self._reason_of(worker.rank))
+
+    def _await_cause(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for a worker to exit with a failure of its own (not only a
+        broken connection), so that ``kill_all`` does not count it among the ranks we stopped."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            exited = [w for w in self.workers if w.poll() is not None and w.pid not in self._killed]
+            if any(not is_consequence(self._failure_of(w)) for w in exited):
+                return
+            if len(exited) == len(self.workers):
+                return
+            time.sleep(0.005)
+
     def signal_all(self, signum: int) -> None:
         """Forward a signal (e.g. SIGTERM for a clean stop) to every live worker."""
         for worker in self.workers:
@@ -370,7 +392,11 @@ class Supervisor:
             if all(w.poll() is not None for w in self.workers):
                 break
             time.sleep(0.01)
-        return self.failures()
+        found = self.failures()
+        if seconds > 0 and found and all(map(is_consequence, found)):
+            self._await_cause(CAUSE_GRACE_SECONDS)
+            found = self.failures()
+        return found
 
     def wait_all(self, seconds: float) -> list[RankFailure]:
         """Wait for every worker to exit after a successful block (they are finishing too)."""
