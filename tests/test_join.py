@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import batches, make_data, max_diff, reference_training, shards
+from _common import batches, make_data, make_model, max_diff, reference_training, shards
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -509,6 +509,68 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
     got = rank0["last"]["params"]
     assert got[0] == got[1], "the ranks' parameters differ"
     assert max_diff(_flat(got[0]), _flat(rank0["last"]["reference"])) < 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2"])
+def test_what_a_rank_does_on_its_own_last_batch_is_refused_at_once_or_exact(script, strategy):
+    """Inside lite.join the ranks' last batches come at different steps. An accumulation
+    window ended at each rank's own last batch (HF Accelerate's end-of-loader sync) and an
+    end-of-epoch lite.all_reduce at `i == len(loader) - 1` are refused on every rank at once,
+    naming the fix, over a set-up loader (whose last shared batch runs with rounds) and over a
+    plain list (where the rank that skipped the sync takes part in the other's all-reduce
+    first: DDP and ZeRO-1; ZeRO-2 reduces every backward). Before, each hung until the timeout
+    or aborted. The fix the refusal names (windows by step count) trains as plain torch does."""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_last_batch", strategy, timeout=120)
+    assert result.returncode == 0, result.explain()
+    ranks = result.json()
+    for rank, got in enumerate(ranks):
+        for case in ("window_ends_at_own_last", "window_ends_at_own_last_list"):
+            error = got[case]["error"]
+            assert error is not None and got[case]["after"] == 3.0, (rank, case, got[case])
+            assert "rank 0: " in error and "inside no_backward_sync" in error, (rank, case, error)
+            assert "End windows by the step count alone" in error, (rank, case, error)
+        log = got["epoch_end_log"]
+        assert log["after"] == 3.0 and log["error"] is not None, (rank, log)
+        assert "lite.all_reduce(op='sum')" in log["error"] and "belongs after the loop" in log["error"], log
+        for case in ("window_by_step", "window_by_step_forward_outside_list"):
+            assert got[case]["error"] is None and got[case]["after"] == 3.0, (rank, case, got[case])
+    # plain torch over the batches each rank saw: windows of 2 steps; rank 1's 5th batch, in an
+    # open window when it ran out, counts in rank 0's last window; DDP's mean over 2 ranks
+    seen = [got["window_by_step"]["batches"] for got in ranks]
+    assert [len(s) for s in seen] == [6, 5], [len(s) for s in seen]
+    assert [got["window_by_step_forward_outside_list"]["batches"] for got in ranks] == seen
+    expected = _windows_of_two(seen, synced_each_micro_batch=False)
+    # DDP synchronises each backward whose forward ran outside no_sync; rank 1 contributes zero
+    # to rank 0's last one, so the window's first, already averaged, micro-batches are averaged
+    # again, as under torch's Join (docs/uneven-data.md)
+    outside = _windows_of_two(seen, synced_each_micro_batch=strategy == "ddp")
+    for rank, got in enumerate(ranks):
+        assert max_diff(_flat(got["window_by_step"]["params"]), expected) < 1e-6, f"rank {rank}"
+        assert max_diff(_flat(got["window_by_step_forward_outside_list"]["params"]), outside) < 1e-6, f"rank {rank}"
+
+
+def _windows_of_two(seen, synced_each_micro_batch):
+    """Plain torch over the batches each rank saw (``seen[rank][step]``): an SGD step every two
+    steps, over the mean of the ranks' gradients. With ``synced_each_micro_batch``, the last
+    window as DDP under torch's Join computes it when a rank ran out in its middle: the first
+    micro-batch's average is averaged again with the absent rank's zero."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(rank, i):
+        return torch.nn.functional.mse_loss(model(torch.tensor(seen[rank][i][0])), torch.tensor(seen[rank][i][1]))
+
+    for window in ((0, 1), (2, 3), (4, 5)):
+        total = sum(loss(r, i) for r in range(len(seen)) for i in window if i < len(seen[r])) / 2
+        if synced_each_micro_batch and any(len(s) <= window[1] for s in seen):
+            first = sum(loss(r, window[0]) for r in range(len(seen))) / 2
+            total = total - first / 2  # counted half again
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return _flat([p.detach().flatten().tolist() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])

@@ -65,6 +65,11 @@ class DDPJoinHook(JoinHook):
     def sync_flag(self, index: int) -> bool:
         return ddp_syncs_gradients(self.models[index])
 
+    def backward_syncs(self, index: int, forward_synced: bool) -> bool:
+        # DDP's forward decides (it prepares the reducer there): a backward inside no_sync()
+        # whose forward ran outside it all-reduces all the same
+        return forward_synced
+
     def buffer_flag(self, index: int) -> bool:
         model = self.models[index]
         return bool(self._buffers[index] and self._synced[index] and ddp_owes_buffer_sync(model))

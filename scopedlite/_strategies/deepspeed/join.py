@@ -48,6 +48,7 @@ class DeepSpeedJoinHook(JoinHook):
     ) -> None:
         super().__init__(strategy, engines, divide_by_initial_world_size, world_size)
         self.forward_communicates = strategy.stage == 3  # ZeRO-3 gathers its parameters
+        self.unsynced_backward_communicates = strategy.stage >= 2  # ZeRO-2/3 reduce every backward
         self.count = world_size
 
     def install(self, session: JoinSession) -> contextlib.ExitStack:

@@ -35,6 +35,9 @@ class JoinHook:
     # A forward gathers parameters from every rank (FSDP, ZeRO-3): its round is awaited before
     # it, so that a refusal raises on every rank instead of leaving one in the gather.
     forward_communicates = False
+    # A backward inside lite.no_backward_sync still reduces gradients (ZeRO-2/3 reduce each
+    # micro-batch's partition): a rank that ran one took part in the others' synchronising one.
+    unsynced_backward_communicates = False
 
     def __init__(
         self, strategy: Strategy, models: tuple[Any, ...], divide_by_initial_world_size: bool, world_size: int
@@ -63,6 +66,13 @@ class JoinHook:
     def sync_flag(self, index: int) -> bool:
         """Whether the next backward of model ``index`` synchronises gradients."""
         return True
+
+    def backward_syncs(self, index: int, forward_synced: bool) -> bool:
+        """Whether the backward of model ``index`` now beginning synchronises gradients;
+        ``forward_synced``: what :meth:`sync_flag` said when its forward began. By default the
+        backward decides (FSDP's post-backward reduce-scatter, DeepSpeed's accumulation
+        boundary)."""
+        return self.sync_flag(index)
 
     def buffer_flag(self, index: int) -> bool:
         """Whether the next forward of model ``index`` synchronises buffers (DDP)."""

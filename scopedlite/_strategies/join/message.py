@@ -171,6 +171,10 @@ class Step:
         """What ranks doing the same step announce alike (not their own bookkeeping)."""
         return (*(getattr(self, f.name) for f in _SCALARS if not f.metadata), self._header_key())
 
+    def same_forward(self, other: Step) -> bool:
+        """Whether both are backwards of the same forward (of the same model)."""
+        return self.kind == other.kind == Kind.BACKWARD and (self.model, self.seq) == (other.model, other.seq)
+
     def _header_key(self) -> tuple[object, ...]:
         if self.kind != Kind.COLLECTIVE:
             return ()
@@ -185,7 +189,8 @@ class Step:
             how = " without gradients" if not self.grad else " inside no_backward_sync" if not self.sync else ""
             return f"forward #{self.seq} of model {self.model}{how}"
         if self.kind == Kind.BACKWARD:
-            return f"the backward of forward #{self.seq} of model {self.model}"
+            how = "" if self.sync else " inside no_backward_sync"
+            return f"the backward of forward #{self.seq} of model {self.model}{how}"
         if self.kind == Kind.COLLECTIVE:
             return f"{self.header.describe()} at {site_name(self.site)}"
         if self.kind == Kind.PASS:
@@ -274,21 +279,12 @@ class Round:
             )
         if len(keys) > 1:
             described = "; ".join(f"rank {r}: {self.steps[r].describe()}" for r in self.runners)
-            after_loop = any(self.steps[r].kind == Kind.COLLECTIVE for r in self.runners)
             return (
                 "Inside lite.join the ranks still active announced different steps "
                 f"({described}). Every active rank must run the same sequence of forwards, "
                 "backwards, optimizer steps and lite collectives, each collective called from "
                 "the same line; data-dependent control flow that differs between ranks cannot "
-                "be joined."
-                + (
-                    " A collective after the loop inside the block waits for the other ranks "
-                    "only when the loop runs over a loader from lite.setup_dataloader (so the "
-                    "session knows this rank ran out of data); otherwise call it after the "
-                    "`with lite.join(...)` block."
-                    if after_loop
-                    else ""
-                )
+                "be joined." + self._hint()
             )
         for r in self.waiters:
             if self.steps[r].kind not in (Kind.COLLECTIVE, Kind.PASS):
@@ -300,6 +296,28 @@ class Round:
                     "anything else after the `with lite.join(...)` block."
                 )
         return None
+
+    def _hint(self) -> str:
+        """The likely cause of a disagreement, and its fix."""
+        said = [self.steps[r] for r in self.runners]
+        if len({dataclasses.replace(o, sync=False).key() for o in said}) == 1:
+            return (
+                " The ranks disagree on synchronising gradients (lite.no_backward_sync): an "
+                "accumulation window ended at each rank's own last batch (`i == len(loader) - "
+                "1`) ends at different steps inside lite.join. End windows by the step count "
+                "alone (`(i + 1) % n == 0`), the same on every rank: what a rank accumulated "
+                "before it ran out is contributed at the others' next synchronising backward."
+            )
+        if any(o.kind == Kind.COLLECTIVE for o in said):
+            return (
+                " A collective on a rank's last batch (an end-of-epoch log keyed on `i == "
+                "len(loader) - 1`, which comes at a different batch on each rank inside "
+                "lite.join) belongs after the loop. A collective after the loop inside the "
+                "block waits for the other ranks only when the loop runs over a loader from "
+                "lite.setup_dataloader (so the session knows this rank ran out of data); "
+                "otherwise call it after the `with lite.join(...)` block."
+            )
+        return ""
 
     def replica_problem(self, replicas: tuple[int, ...]) -> str | None:
         """Why the ranks of one data-parallel replica (``replicas[r]``: rank ``r``'s) are not

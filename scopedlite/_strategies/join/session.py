@@ -25,8 +25,8 @@ The roles, as in torch's ``join.py``:
 
 **Free when even.** While every rank still has data there is nothing to replay. When a pass
 over a loader from ``setup_dataloader`` begins, the ranks agree on each one's number of
-batches (one round); if they are known, no round is opened until the shortest rank is about
-to run out (never, when all are equal). Loaders of unknown length, loops over anything else,
+batches (one round); if they are known, no round is opened until the shortest rank takes
+its last batch (never, when all are equal). Loaders of unknown length, loops over anything else,
 and what comes after the first rank ran out use the rounds.
 
 **Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
@@ -133,11 +133,11 @@ class _Announce(torch.autograd.Function):
 
 class PassCursor:
     """One pass over a set-up loader inside the block: it starts the rounds when the shortest
-    rank is about to run out, and counts the pass as ended on this rank."""
+    rank is about to take its last batch, and counts the pass as ended on this rank."""
 
     def __init__(self, session: JoinSession, switch_at: int | None) -> None:
         self.session = session
-        self.switch_at = switch_at
+        self.switch_at = switch_at  # the batches every rank takes before the rounds start
         self.position = 0
 
     def advance(self) -> None:
@@ -145,16 +145,9 @@ class PassCursor:
         self.position += 1
         if self.position == self.switch_at:
             self.session.start_rounds()
-            self.session.passes.discard(self)  # the rounds run from here: nothing more to tell
 
     def end(self) -> None:
         self.session.ended += 1
-        self.session.passes.discard(self)
-
-    def before_switch(self) -> bool:
-        """Whether the batch in hand may be the shortest rank's last (the rounds start at
-        the next ask): the same answer on every rank, which are all at this position."""
-        return self.switch_at is not None and self.position + 1 == self.switch_at
 
 
 class JoinSession:
@@ -197,8 +190,8 @@ class JoinSession:
         self.inputs: dict[int, tuple[Any, Any]] = {}  # model index -> last (args, kwargs)
         self.outputs: dict[int, list[torch.Tensor]] = {}  # forward number -> replayed outputs
         self.own_unsynced = [False] * len(models)  # this rank's last own backward skipped the sync
+        self._forward_synced: dict[int, bool] = {}  # model -> its last forward prepared a gradient sync
         self._recording_started = False
-        self.passes: set[PassCursor] = set()  # passes of set-up loaders under way on this rank
         self.lean = True  # the last round found every rank at the same step: see the module docstring
         self._posted: tuple[Callable[[], None], torch.Tensor] | None = None  # a round opened without waiting, unread
         # model -> training forwards every rank ran in this block, announced together
@@ -353,10 +346,14 @@ class JoinSession:
     def _read(self, round_: Round) -> Round:
         if round_.aborted:
             raise PeerLeftJoinError(PEER_LEFT)
-        problem = round_.disagreement() if not round_.over else None
+        problem = (
+            (round_.disagreement() if not round_.over else None)
+            or round_.replica_problem(self.replicas)
+            or round_.events_problem()
+        )
         if problem is not None:
-            self._answer_posted(round_)
-        self._refuse(problem or round_.replica_problem(self.replicas) or round_.events_problem())
+            self._answer_posted(round_)  # whoever posted this round is in its collectives
+        self._refuse(problem)
         for event in round_.events_to_apply(self.rank):
             self.events.apply(event, self.rank)
         if round_.over:
@@ -391,8 +388,18 @@ class JoinSession:
                 self.outputs.pop(said.seq, None)
                 answered.add(said.key())
                 continue
+            keep_own = said.sync and self.own_unsynced[said.model]
             if said.kind == Kind.BACKWARD and seq == said.seq:
                 del self._unanswered[said.model]
+            elif (
+                said.sync and not mine.sync and mine.same_forward(said) and not self.hook.unsynced_backward_communicates
+            ):
+                # this rank ran that backward inside no_backward_sync, the other synchronises
+                # it: take part with zero gradients, keeping this rank's own for its window
+                outputs = self._forward_again(said.model, said.sync)
+                if outputs is None:
+                    continue
+                keep_own = False
             elif said.kind == Kind.BACKWARD and (
                 self._under_way.get(said.model) == said.seq or said.seq > self.forwards
             ):
@@ -408,7 +415,7 @@ class JoinSession:
                     self.hook.step(said.model)
                 else:
                     with torch.enable_grad():  # it may refuse inside torch.no_grad()
-                        self.hook.backward(said.model, outputs, said.sync, said.sync and self.own_unsynced[said.model])
+                        self.hook.backward(said.model, outputs, said.sync, keep_own)
 
     @contextlib.contextmanager
     def _answering(self) -> Any:
@@ -481,10 +488,10 @@ class JoinSession:
     def shares_every_step(self) -> bool:
         """Whether code that shares per-rank counts at intervals (``lite.throughput``) must
         share them at every step from here, because a rank may run out of data before the
-        next interval and what it counted would be left out: the rounds run, or the batch in
-        hand may be the shortest rank's last. False while every rank has data for more; the
-        same answer on every running rank."""
-        return self.rounds or any(cursor.before_switch() for cursor in self.passes)
+        next interval and what it counted would be left out: the rounds run (from the
+        shortest rank's last batch on). False while every rank has data for more; the same
+        answer on every running rank."""
+        return self.rounds
 
     def loader_pass(self, length: int | None) -> PassCursor:
         """A pass over a set-up loader begins with ``length`` batches on this rank (None:
@@ -492,16 +499,20 @@ class JoinSession:
         said = Step(Kind.PASS, site=site_id(call_site()), length=-1 if length is None else length)
         round_ = self._announce(said) if self.rounds else self._free_round(said)
         lengths = [round_.steps[r].length for r in round_.runners]
-        if len(round_.runners) < self.world_size or min(lengths) <= 0:
+        shortest, longest = min(lengths), max(lengths)
+        # The shortest rank's last batch runs with rounds: a script often does something else
+        # there on that rank only (ends an accumulation window, logs the epoch's end keyed on
+        # len(loader)), which a round sees and refuses, where without one the ranks would pair
+        # different collectives.
+        free = None if shortest == longest else shortest - 1
+        if len(round_.runners) < self.world_size or shortest <= 0 or free == 0:
             self.start_rounds()
             return PassCursor(self, None)  # rounds from here: every step is shared anyway
         if self.rounds:
             self.rounds = False
             self.events.pause()
             self.outputs.clear()
-        cursor = PassCursor(self, min(lengths) if min(lengths) != max(lengths) else None)
-        self.passes.add(cursor)
-        return cursor
+        return PassCursor(self, free)
 
     def _free_round(self, said: Step) -> Round:
         round_ = self._exchange(said.with_events((), True, self.ended))
@@ -514,6 +525,7 @@ class JoinSession:
         if self.serving:
             return
         self.inputs[index] = (args, kwargs)
+        sync = self._forward_synced[index] = self.hook.sync_flag(index)
         buffers = self.hook.buffer_flag(index)
         source = self.world_size - 1
         lean = self._lean_forward(index, buffers)
@@ -524,7 +536,7 @@ class JoinSession:
                 Kind.FORWARD,
                 model=index,
                 grad=torch.is_grad_enabled(),
-                sync=self.hook.sync_flag(index),
+                sync=sync,
                 buffers=buffers,
                 seq=self.forwards + 1,
             )
@@ -603,7 +615,7 @@ class JoinSession:
                 "ran out of data, which run one backward per forward. Concatenate the inputs into "
                 "one forward, or call lite.backward after each forward."
             )
-        sync = self.hook.sync_flag(index)
+        sync = self.hook.backward_syncs(index, self._forward_synced.get(index, True))
         self.own_unsynced[index] = not sync
         self._unanswered.pop(index, None)
         self._settle()
