@@ -541,36 +541,25 @@ def test_what_a_rank_does_on_its_own_last_batch_is_refused_at_once_or_exact(scri
     seen = [got["window_by_step"]["batches"] for got in ranks]
     assert [len(s) for s in seen] == [6, 5], [len(s) for s in seen]
     assert [got["window_by_step_forward_outside_list"]["batches"] for got in ranks] == seen
-    expected = _windows_of_two(seen, synced_each_micro_batch=False)
-    # DDP synchronises each backward whose forward ran outside no_sync; rank 1 contributes zero
-    # to rank 0's last one, so the window's first, already averaged, micro-batches are averaged
-    # again, as under torch's Join (docs/uneven-data.md)
-    outside = _windows_of_two(seen, synced_each_micro_batch=strategy == "ddp")
-    for rank, got in enumerate(ranks):
-        assert max_diff(_flat(got["window_by_step"]["params"]), expected) < 1e-6, f"rank {rank}"
-        assert max_diff(_flat(got["window_by_step_forward_outside_list"]["params"]), outside) < 1e-6, f"rank {rank}"
-
-
-def _windows_of_two(seen, synced_each_micro_batch):
-    """Plain torch over the batches each rank saw (``seen[rank][step]``): an SGD step every two
-    steps, over the mean of the ranks' gradients. With ``synced_each_micro_batch``, the last
-    window as DDP under torch's Join computes it when a rank ran out in its middle: the first
-    micro-batch's average is averaged again with the absent rank's zero."""
+    # DDP synchronises each backward whose forward ran outside no_sync: rank 1, out of data in
+    # the last window, brings the window's average it holds to rank 0's last all-reduce (torch's
+    # Join brings zero there, and the window's first micro-batches would count half)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def loss(rank, i):
-        return torch.nn.functional.mse_loss(model(torch.tensor(seen[rank][i][0])), torch.tensor(seen[rank][i][1]))
-
     for window in ((0, 1), (2, 3), (4, 5)):
-        total = sum(loss(r, i) for r in range(len(seen)) for i in window if i < len(seen[r])) / 2
-        if synced_each_micro_batch and any(len(s) <= window[1] for s in seen):
-            first = sum(loss(r, window[0]) for r in range(len(seen))) / 2
-            total = total - first / 2  # counted half again
-        total.backward()
+        loss = sum(
+            torch.nn.functional.mse_loss(model(torch.tensor(s[i][0])), torch.tensor(s[i][1]))
+            for s in seen
+            for i in window
+            if i < len(s)
+        )
+        (loss / 2).backward()
         opt.step()
         opt.zero_grad()
-    return _flat([p.detach().flatten().tolist() for p in model.parameters()])
+    expected = _flat([p.detach().flatten().tolist() for p in model.parameters()])
+    for rank, got in enumerate(ranks):
+        for case in ("window_by_step", "window_by_step_forward_outside_list"):
+            assert max_diff(_flat(got[case]["params"]), expected) < 1e-6, f"rank {rank}, {case}"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])

@@ -21,8 +21,10 @@ argv: strategy
 - ``window_by_step_forward_outside``: the same over a plain list, with each forward outside
   ``no_backward_sync`` and only the backward inside: DDP decides in the forward, so it
   synchronises every backward all the same (before, the session took the backward's flag and
-  rank 1 replayed rank 0's last forward without preparing the all-reduce rank 0 was in: a hang);
-  FSDP and DeepSpeed decide in the backward and accumulate. The same parameters either way.
+  rank 1 replayed rank 0's last forward without preparing the all-reduce rank 0 was in: a hang;
+  and a rank out of data brought zero to a window's later all-reduce, where the running rank
+  brings the window's average again); FSDP and DeepSpeed decide in the backward and
+  accumulate. The same parameters either way.
 """
 
 import sys

@@ -9,9 +9,12 @@ over DDP, which the tests check scenario by scenario:
 - **A serving rank contributes zero.** Before a synchronised replayed backward its gradients
   are set aside, so whatever it holds (the average of the last step, which a module's own
   ``zero_grad()`` or ``param.grad = None`` on the running ranks cleared there) adds nothing;
-  parameters the all-reduce does not reach get theirs back. Only the micro-batches it ran
-  itself inside ``no_backward_sync`` before running out are contributed, at the first
-  synchronised backward after.
+  parameters the all-reduce does not reach get theirs back. Two things it holds are
+  contributed: the micro-batches it ran itself inside ``no_backward_sync`` before running out,
+  at the first synchronised backward after; and, where the running ranks hold gradients
+  before a backward (an accumulation window whose backwards all synchronise: DDP all-reduces
+  ``param.grad`` as accumulated, so each rank must bring the window's average again), the
+  same average it holds, which is exact where torch's ``Join`` contributes zero.
 - **Buffers come from the highest running rank** before each forward that syncs them, as
   under torch's ``Join`` (DDP alone takes rank 0's, which may have left): the broadcast at the
   end of a training forward (``buffers.py``) stands aside for the block and is done here
@@ -55,6 +58,7 @@ class DDPJoinHook(JoinHook):
         super().__init__(strategy, models, divide_by_initial_world_size, world_size)
         self._buffers = [strategy.syncs_buffers(m) for m in models]  # the user's DDP setting
         self._synced = [synced_buffers(m) for m in models]  # the buffers DDP would broadcast
+        self._trained = [[p for p in m.parameters() if p.requires_grad] for m in models]
 
     def module(self, index: int) -> torch.nn.Module:
         return self.models[index].module  # type: ignore[no-any-return]
@@ -70,6 +74,9 @@ class DDPJoinHook(JoinHook):
         # whose forward ran outside it all-reduces all the same
         return forward_synced
 
+    def holds_gradients(self, index: int) -> bool:
+        return any(p.grad is not None for p in self._trained[index])
+
     def buffer_flag(self, index: int) -> bool:
         model = self.models[index]
         return bool(self._buffers[index] and self._synced[index] and ddp_owes_buffer_sync(model))
@@ -83,7 +90,7 @@ class DDPJoinHook(JoinHook):
             return model(*args, **kwargs)
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
-        params = [p for p in self.models[index].parameters() if p.requires_grad]
+        params = self._trained[index]
         held = [p.grad for p in params] if outputs and sync and not keep_own else None
         if held is not None:
             for p in params:

@@ -74,6 +74,13 @@ class JoinHook:
         boundary)."""
         return self.sync_flag(index)
 
+    def holds_gradients(self, index: int) -> bool:
+        """Whether model ``index`` holds gradients that its next synchronising backward
+        reduces again (DDP all-reduces ``param.grad`` as accumulated): a running rank tells
+        a serving one, which then contributes what it holds too. False by default: FSDP and
+        DeepSpeed reduce a backward's new gradients only."""
+        return False
+
     def buffer_flag(self, index: int) -> bool:
         """Whether the next forward of model ``index`` synchronises buffers (DDP)."""
         return False
@@ -94,8 +101,9 @@ class JoinHook:
         return self.models[index](*args, **kwargs)
 
     def backward(self, index: int, outputs: list[torch.Tensor], sync: bool, keep_own: bool) -> None:
-        """Backward through ``outputs`` with zero gradients; ``keep_own``: this rank's own
-        micro-batches since its last synchronised backward are still to be contributed."""
+        """Backward through ``outputs`` with zero gradients; ``keep_own``: the gradients this
+        rank holds are still to be contributed (its own micro-batches since its last
+        synchronised backward, or, where :meth:`holds_gradients`, the window's reduced ones)."""
         if outputs:
             torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
 

@@ -142,6 +142,7 @@ class Step:
     length: int = field(default=-1, metadata=_OWN)  # PASS: this rank's batches in the pass (-1: not known)
     scheduler_steps: int = field(default=0, metadata=_OWN)  # LEFT: how often its schedulers stepped
     posted: bool = field(default=False, metadata=_OWN)  # the sender went on without waiting for this round
+    holding: bool = field(default=False, metadata=_OWN)  # BACKWARD: the sender held gradients it reduces again (DDP)
     header: Header = field(default_factory=Header)  # COLLECTIVE
     events: tuple[Event, ...] = field(default=(), metadata=_OWN)
 

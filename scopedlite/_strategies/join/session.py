@@ -625,7 +625,14 @@ class JoinSession:
             # backward, which refuses there (answering this backward first). Where the forward
             # gathers parameters it is awaited: a rank whose forward raised midway could not
             # answer it (see _answer_posted).
-            said = Step(Kind.BACKWARD, model=index, sync=sync, mask=mask, seq=seq)
+            said = Step(
+                Kind.BACKWARD,
+                model=index,
+                sync=sync,
+                mask=mask,
+                seq=seq,
+                holding=sync and self.hook.holds_gradients(index),
+            )
             self._post_or_announce(said, self.lean and not self.hook.forward_communicates)
         return self.hook.output_scale(self.count)
 
@@ -740,7 +747,9 @@ class JoinSession:
                 self._replay_forward(step.model, step.seq, True, step.sync)
                 outputs = self.outputs.pop(step.seq, None)
             chosen = [t for i, t in enumerate(outputs or []) if step.mask >> i & 1]
-            keep_own = step.sync and self.own_unsynced[step.model]
+            # its own micro-batches, or the window's average that the running ranks hold too
+            holding = all(round_.steps[r].holding for r in round_.runners)
+            keep_own = step.sync and (self.own_unsynced[step.model] or holding)
             if step.sync:
                 self.own_unsynced[step.model] = False
             with torch.enable_grad():  # it may serve inside torch.no_grad() (a collective after its loop)
