@@ -519,7 +519,8 @@ def test_what_a_rank_does_on_its_own_last_batch_is_refused_at_once_or_exact(scri
     naming the fix, over a set-up loader (whose last shared batch runs with rounds) and over a
     plain list (where the rank that skipped the sync takes part in the other's all-reduce
     first: DDP and ZeRO-1; ZeRO-2 reduces every backward). Before, each hung until the timeout
-    or aborted. The fix the refusal names (windows by step count) trains as plain torch does."""
+    or aborted. The fix the refusal names (windows by step count) trains as plain torch does,
+    and so do ranks that peek at a batch and then leave their loops at the same batch."""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
     result = script("join_last_batch", strategy, timeout=120)
@@ -560,6 +561,20 @@ def test_what_a_rank_does_on_its_own_last_batch_is_refused_at_once_or_exact(scri
     for rank, got in enumerate(ranks):
         for case in ("window_by_step", "window_by_step_forward_outside_list"):
             assert max_diff(_flat(got[case]["params"]), expected) < 1e-6, f"rank {rank}, {case}"
+    # every rank left its loop after 3 batches: plain torch over those, one step each
+    seen = [got["break_together"]["batches"] for got in ranks]
+    assert [len(s) for s in seen] == [3, 3], [len(s) for s in seen]
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        loss = sum(torch.nn.functional.mse_loss(model(torch.tensor(s[i][0])), torch.tensor(s[i][1])) for s in seen)
+        (loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = _flat([p.detach().flatten().tolist() for p in model.parameters()])
+    for rank, got in enumerate(ranks):
+        assert got["break_together"]["error"] is None and got["break_together"]["after"] == 3.0, got["break_together"]
+        assert max_diff(_flat(got["break_together"]["params"]), expected) < 1e-6, f"rank {rank}, break_together"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_3"])

@@ -242,6 +242,24 @@ def test_a_rank_alone_in_a_collective_while_the_others_are_in_ddps_backward_is_e
 
 
 @pytest.mark.timeout(90)
+def test_a_rank_leaving_its_join_loop_early_alone_is_named_with_the_fix(script):
+    """Inside lite.join over a set-up loader of even data (no round per step), rank 0 alone
+    breaks out of its loop. Before, its final broadcast met the others' gradient all-reduce;
+    now it waits in a round at the end of the block, which the watchdog names, with the fix."""
+    result = script("stall", "break", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    out = result.json()
+    assert out["error"] == "CollectiveTimeoutError", result.explain()
+    message = out["message"]
+    block = _line_of("with lite.join(model):")
+    backward = _line_of("lite.backward(model(x).sum())")
+    assert f"rank 0: waits in lite.join's round at the end of its block (stall.py:{block})" in message, message
+    for rank in (1, 2):
+        assert f"rank {rank}: waits in a backward's gradient collectives (stall.py:{backward})" in message, message
+    assert "lite.all_reduce(torch.tensor(float(stop)), op='max')" in message, message
+    _assert_no_survivors(out["pids"])
+
+
+@pytest.mark.timeout(90)
 def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path):
     """`timeout 120 python train.py` on a hung run: SIGTERM reaches rank 0 alone, whose main
     thread is blocked in gloo and cannot run a Python handler. Stall detection is off here:

@@ -105,10 +105,14 @@ def _past_first(batches: Iterator[Any], count: Callable[[], None]) -> Iterator[A
 
 def _told(batches: Iterator[Any], session: Any) -> Iterator[Any]:
     """``batches``, telling the join session when the next one is asked for and when the
-    pass is over."""
-    for batch in batches:
-        yield batch
-        session.advance()
+    pass is over, at its end or where the loop left it (closing the iterator)."""
+    try:
+        for batch in batches:
+            yield batch
+            session.advance()
+    except GeneratorExit:
+        session.left_early()
+        raise
     session.end()
 
 

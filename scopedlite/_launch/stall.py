@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Callable
 
-__all__ = ["Look", "Progress", "bytes_written", "format_stack_of", "frame_of", "look_at"]
+__all__ = ["JOIN_BLOCK_END", "Look", "Progress", "bytes_written", "format_stack_of", "frame_of", "look_at"]
 
 # The places where a rank waits for its peers, as path endings (``/`` separated).
 _WAIT_FILES = (
@@ -64,6 +64,18 @@ BUSY_SHARE = 0.1
 _PASSING = ("/scopedlite/_launch/supervise.py",)
 # Our waits at the end of a launch block (through the store, or gloo's monitored barrier).
 _BLOCK_END = ("end_of_block_barrier", "final_gloo_barrier")
+# lite.join's rounds, named by the session's step that opened them (join/session.py).
+_JOIN_SESSION = "/scopedlite/_strategies/join/session.py"
+JOIN_BLOCK_END = "lite.join's round at the end of its block"
+_JOIN_ROUNDS = {
+    "_leave": JOIN_BLOCK_END,
+    "loader_pass": "lite.join's round at a pass over a loader",
+    "before_forward": "lite.join's round before a forward",
+    "before_backward": "lite.join's round before a backward",
+    "before_step": "lite.join's round before an optimizer step",
+    "clip_gradients": "lite.join's round before lite.clip_gradients",
+    "_announce_collective": "lite.join's round before a lite collective",
+}
 # Library code: the caller named in a wait's description is the first frame outside these.
 _LIBRARIES = ("/torch/", "/deepspeed/", "/scopedlite/", "/contextlib.py", "/threading.py")
 
@@ -118,7 +130,11 @@ def look_at(frame: FrameType | None) -> Look:
         if caller.f_code.co_name in _BLOCK_END:
             waits_in = "the end of the launch block"
         caller = caller.f_back
+    named = False
     while caller is not None and any(lib in _normal(caller.f_code.co_filename) for lib in _LIBRARIES):
+        if not named and _normal(caller.f_code.co_filename).endswith(_JOIN_SESSION):
+            named = caller.f_code.co_name in _JOIN_ROUNDS
+            waits_in = _JOIN_ROUNDS.get(caller.f_code.co_name, waits_in)
         caller = caller.f_back
     if caller is not None:
         waits_in += f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scopedlite._launch.stall import Progress, bytes_written, format_stack_of, frame_of, look_at
+from scopedlite._launch.stall import JOIN_BLOCK_END, Progress, bytes_written, format_stack_of, frame_of, look_at
 from scopedlite._private.torch_internals import group_sequence_numbers
 
 __all__ = ["END_WAIT_S", "Diagnosis", "HangWatchdog", "Limits"]
@@ -93,6 +93,14 @@ class Diagnosis:
 
     def text(self) -> str:
         lines = [self.headline] + [f"  rank {rank}: waits in {where}" for rank, where in sorted(self.waits.items())]
+        ended = [where.startswith(JOIN_BLOCK_END) for where in self.waits.values()]
+        if any(ended) and not all(ended):
+            lines.append(
+                "A rank waiting at the end of lite.join while others are still in their steps left "
+                "its loop early on its own (a `break` decided from this rank's numbers, an early "
+                "stop). Decide it together, then break on every rank: `stop = "
+                "lite.all_reduce(torch.tensor(float(stop)), op='max') > 0`."
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:

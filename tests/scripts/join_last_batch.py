@@ -25,6 +25,9 @@ argv: strategy
   and a rank out of data brought zero to a window's later all-reduce, where the running rank
   brings the window's average again); FSDP and DeepSpeed decide in the backward and
   accumulate. The same parameters either way.
+- ``break_together``: every rank peeks at a batch, then leaves its loop at the same batch (a
+  step limit) while all run free, and calls a collective after the loop: a left pass starts
+  the rounds on every rank alike; the parameters are plain torch's over those 3 steps.
 """
 
 import sys
@@ -39,9 +42,18 @@ LR = 0.1
 
 
 def train(loader, case: str, seen: list) -> None:
+    if case == "break_together":
+        next(iter(loader))  # every rank peeks at a batch first (a shape to build from)
     n = len(loader)
     for i, (x, y) in enumerate(loader):
         seen.append([x.tolist(), y.tolist()])
+        if case == "break_together":
+            lite.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                break  # every rank, at the same batch (a step limit)
+            continue
         if case == "epoch_end_log":
             loss = torch.nn.functional.mse_loss(model(x), y)
             lite.backward(loss)
@@ -72,6 +84,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
         ("epoch_end_log", False),
         ("window_by_step", False),
         ("window_by_step_forward_outside", True),
+        ("break_together", False),
     ]:
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -84,11 +97,13 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
                 if plain:
                     loader = list(loader)  # this rank's exact share inside the block
                 train(loader, case, seen)
+                if case == "break_together":
+                    lite.all_reduce(torch.tensor(1.0))  # after the loop, inside the block
             result[name] = {"error": None}
         except RuntimeError as e:
             result[name] = {"error": str(e)}
         result[name]["after"] = float(lite.all_reduce(torch.tensor(float(rank + 1)), op="sum"))
-        if case.startswith("window_by_step"):
+        if case.startswith("window_by_step") or case == "break_together":
             full = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
             result[name]["params"] = [p.flatten().tolist() for p in full]
             result[name]["batches"] = seen

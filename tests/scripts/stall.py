@@ -6,6 +6,7 @@ argv: mode
     rank 0 a SIGTERM (as `timeout 120 python train.py` does) and a short grace
     (SCOPEDLITE_TERM_GRACE) ends the run.
   backward: step 3 only, with the short stall window.
+  break: step 4 only, with the short stall window.
 
 1. Rank 0 works alone (in Python) for three stall windows while ranks 1 and 2 wait for it in
    lite.barrier(): no stall, the barrier passes.
@@ -16,6 +17,10 @@ argv: mode
    waits for rank 0 in DDP's gradient all-reduce, inside torch's autograd engine: the
    watchdog ends the run (it took the backward for work and waited out the collective
    timeout before).
+4. DDP training inside lite.join over a set-up loader (even data: the ranks run free, with
+   no round per step): rank 0 alone leaves its loop early (an early stop decided from its own
+   numbers). It waits in a round at the end of the block, not in the final broadcast, which
+   met the others' gradient all-reduce; the watchdog names that wait and the fix.
 """
 
 import json
@@ -46,9 +51,18 @@ try:
                 lite.backward(model(torch.ones(2, 4)).sum())
                 if step == 1 and run.is_global_zero:  # after DDP's bucket rebuild (2nd forward)
                     lite.barrier()  # rank 0 alone
+        if mode == "break":
+            model, opt = lite.setup(torch.nn.Linear(4, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+            data = torch.utils.data.TensorDataset(torch.ones(24, 4))
+            loader = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=2))
+            with lite.join(model):
+                for i, (x,) in enumerate(loader):
+                    lite.backward(model(x).sum())
+                    if i == 1 and run.is_global_zero:
+                        break  # rank 0 alone stops early
         if mode == "sigterm" and run.is_global_zero:
             Path(f"{OUT}.ready").touch()  # the test sends SIGTERM now
-        if mode != "backward" and run.global_rank != 1:
+        if mode not in ("backward", "break") and run.global_rank != 1:
             lite.all_reduce(torch.ones(2))  # rank 1 skipped it
 except BaseException as e:  # noqa: BLE001 - report whatever came out
     outcome.update(error=type(e).__name__, message=str(e))

@@ -149,6 +149,18 @@ class PassCursor:
     def end(self) -> None:
         self.session.ended += 1
 
+    def left_early(self) -> None:
+        """The loop left the pass before its end (a ``break``, ``islice``, a peek): the pass
+        is over on this rank. Where the ranks run free the others cannot know it, so the
+        rounds start here: this rank's next step, or its end of the block, then waits for
+        them in a round (where all left at the same batch, they meet there; else the hang
+        watchdog names where each waits) instead of pairing a collective of its own (the
+        final broadcast) with one of theirs (a gradient all-reduce)."""
+        if self.session.closed:  # the iterator was collected after the block
+            return
+        self.end()
+        self.session.start_rounds()
+
 
 class JoinSession:
     """The join session over a process group (see the module docstring)."""
@@ -203,6 +215,7 @@ class JoinSession:
         self._under_way: dict[int, int] = {}
         self._returned: dict[int, tuple[Any, Any]] = {}
         self._stack = contextlib.ExitStack()
+        self.closed = False
 
     # -- the block ---------------------------------------------------------------------------------
     def __enter__(self) -> JoinSession:  # noqa: PYI034 - typing.Self needs Python 3.11
@@ -240,6 +253,7 @@ class JoinSession:
             self.inputs.clear()
             self.outputs.clear()
             self._stack.close()
+            self.closed = True
 
     def _leave(self) -> None:
         if not self.rounds:  # every rank had data up to here: all leave together
