@@ -229,16 +229,9 @@ def test_a_rank_alone_in_a_collective_while_the_others_are_in_ddps_backward_is_e
     """Rank 0 alone in lite.barrier() after a step; ranks 1 and 2 in the next step's backward,
     waiting in DDP's gradient all-reduce inside torch's autograd engine. Under
     launch(timeout=300) only the watchdog (window 2 s) ends it within the test's limit."""
-    result = script("stall", "backward", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
-    out = result.json()
-    assert out["error"] == "CollectiveTimeoutError", result.explain()
-    message = out["message"]
-    barrier = _line_of("lite.barrier()  # rank 0 alone")
-    backward = _line_of("lite.backward(model(torch.ones(2, 4)).sum())")
-    assert f"rank 0: waits in barrier (stall.py:{barrier})" in message, message
-    for rank in (1, 2):
-        assert f"rank {rank}: waits in a backward's gradient collectives (stall.py:{backward})" in message, message
-    _assert_no_survivors(out["pids"])
+    _ended_with_rank_zero_alone(
+        script, "backward", f"barrier (stall.py:{_line_of('lite.barrier()  # rank 0 alone')})", "torch.ones(2, 4)"
+    )
 
 
 @pytest.mark.timeout(90)
@@ -246,17 +239,26 @@ def test_a_rank_leaving_its_join_loop_early_alone_is_named_with_the_fix(script):
     """Inside lite.join over a set-up loader of even data (no round per step), rank 0 alone
     breaks out of its loop. Before, its final broadcast met the others' gradient all-reduce;
     now it waits in a round at the end of the block, which the watchdog names, with the fix."""
-    result = script("stall", "break", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    block = _line_of("with lite.join(model):")
+    message = _ended_with_rank_zero_alone(
+        script, "break", f"lite.join's round at the end of its block (stall.py:{block})", "x"
+    )
+    assert "lite.all_reduce(torch.tensor(float(stop)), op='max')" in message, message
+
+
+def _ended_with_rank_zero_alone(script, mode, rank_zero_waits_in, batch):
+    """Run stall.py's ``mode`` (window 2 s): the watchdog must end it, naming rank 0's wait
+    and ranks 1 and 2 in the backward of ``model(BATCH)``; its message."""
+    result = script("stall", mode, env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
     out = result.json()
     assert out["error"] == "CollectiveTimeoutError", result.explain()
     message = out["message"]
-    block = _line_of("with lite.join(model):")
-    backward = _line_of("lite.backward(model(x).sum())")
-    assert f"rank 0: waits in lite.join's round at the end of its block (stall.py:{block})" in message, message
+    backward = _line_of(f"lite.backward(model({batch}).sum())")
+    assert f"rank 0: waits in {rank_zero_waits_in}" in message, message
     for rank in (1, 2):
         assert f"rank {rank}: waits in a backward's gradient collectives (stall.py:{backward})" in message, message
-    assert "lite.all_reduce(torch.tensor(float(stop)), op='max')" in message, message
     _assert_no_survivors(out["pids"])
+    return message
 
 
 @pytest.mark.timeout(90)
