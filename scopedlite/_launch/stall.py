@@ -130,11 +130,14 @@ def look_at(frame: FrameType | None) -> Look:
         if caller.f_code.co_name in _BLOCK_END:
             waits_in = "the end of the launch block"
         caller = caller.f_back
-    named = False
+    in_round: bool | None = None  # the wait is a join round's own exchange (not a replay's collective)
     while caller is not None and any(lib in _normal(caller.f_code.co_filename) for lib in _LIBRARIES):
-        if not named and _normal(caller.f_code.co_filename).endswith(_JOIN_SESSION):
-            named = caller.f_code.co_name in _JOIN_ROUNDS
-            waits_in = _JOIN_ROUNDS.get(caller.f_code.co_name, waits_in)
+        if in_round is not False and _normal(caller.f_code.co_filename).endswith(_JOIN_SESSION):
+            name = caller.f_code.co_name
+            if in_round and name in _JOIN_ROUNDS:
+                waits_in, in_round = _JOIN_ROUNDS[name], False
+            elif in_round is None:
+                in_round = name == "_exchange"
         caller = caller.f_back
     if caller is not None:
         waits_in += f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"

@@ -26,7 +26,8 @@ The roles, as in torch's ``join.py``:
 **Free when even.** While every rank still has data there is nothing to replay. When a pass
 over a loader from ``setup_dataloader`` begins, the ranks agree on each one's number of
 batches (one round); if they are known, no round is opened until the shortest rank takes
-its last batch (never, when all are equal). Loaders of unknown length, loops over anything else,
+its last batch (never, when all are equal), or a rank leaves its pass early (a ``break``: see
+:meth:`PassCursor.left_early`). Loaders of unknown length, loops over anything else,
 and what comes after the first rank ran out use the rounds.
 
 **Lean while every rank runs.** A rank runs out of data between steps, when its loop asks for
