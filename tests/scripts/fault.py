@@ -7,7 +7,9 @@ argv: rank mode point
          skip (the rank skips the last all_reduce and goes to the end of the block)
   point: init (right after launch) | entry (while rank 0 is still entering the launch block,
          its group made: its MetricLog is slowed until the failure is found) | forward (inside the model's forward) |
-         collective (the others wait in an all_reduce) | save (while rank 0 saves)
+         collective (the others wait in an all_reduce) | save (while rank 0 saves) |
+         join (inside lite.join over a set-up loader of even data, where the ranks run free:
+         the others wait in the next step's gradient all-reduce)
 """
 
 import json
@@ -94,6 +96,14 @@ try:
                     time.sleep(0.2)
                     fail()
                 lite.all_reduce(loss.detach())
+        if point == "join":
+            data = torch.utils.data.TensorDataset(torch.randn(48, 4))
+            loader = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=4))
+            with lite.join(model):
+                for step, (x,) in enumerate(loader):
+                    lite.backward(model(x).sum())
+                    if me == rank_to_fail and step == 1:
+                        fail()  # the exception leaves the loader's pass early: no round may follow
         if point == "save":
             if me == rank_to_fail:
                 fail()

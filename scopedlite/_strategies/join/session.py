@@ -153,14 +153,14 @@ class PassCursor:
     def left_early(self) -> None:
         """The loop left the pass before its end (a ``break``, ``islice``, a peek): the pass
         is over on this rank. Where the ranks run free the others cannot know it, so the
-        rounds start here: this rank's next step, or its end of the block, then waits for
+        rounds start from here: this rank's next step, or its end of the block, waits for
         them in a round (where all left at the same batch, they meet there; else the hang
         watchdog names where each waits) instead of pairing a collective of its own (the
         final broadcast) with one of theirs (a gradient all-reduce)."""
         if self.session.closed:  # the iterator was collected after the block
             return
         self.end()
-        self.session.start_rounds()
+        self.session.rounds_from_next_step()
 
 
 class JoinSession:
@@ -190,7 +190,8 @@ class JoinSession:
             lambda: strategy.set_up.schedulers_of(optimizers),
         )
         self.collectives = JoinCollectives(self._announce_collective, self.rank, self.world_size, self.device)
-        self.rounds = True  # the protocol's rounds run (False: every rank has data: free)
+        self._rounds = True  # the protocol's rounds run (False: every rank has data: free)
+        self._rounds_due = False  # they start at this rank's next step (a pass left early)
         self.serving = False  # this rank replays the others' steps (left the block, or waits)
         # The data-parallel replica of each rank: under model_parallel the tensor-parallel ranks
         # of a replica read the same batches, so they run, wait and leave together, and the
@@ -240,7 +241,7 @@ class JoinSession:
                 self._leave()
                 self.strategy.join_left()  # every rank leaves here, in step with the others
             elif (
-                self.rounds
+                self._rounds  # not a pass left early by this very exception: the others run free
                 and isinstance(exc, Exception)
                 and not isinstance(exc, PeerLeftJoinError)
                 and not self._refused
@@ -493,10 +494,24 @@ class JoinSession:
         return sum(1 << i for i in range(len(self.models)) if i not in self.inputs)
 
     # -- free when even ----------------------------------------------------------------------------
+    @property
+    def rounds(self) -> bool:
+        """Whether the protocol's rounds run (False: every rank has data and runs free)."""
+        if self._rounds_due:
+            self._rounds_due = False
+            self.start_rounds()
+        return self._rounds
+
+    def rounds_from_next_step(self) -> None:
+        """This rank left a pass early: the rounds start at its next step, or at its end of
+        the block, but not for an exception that left the pass (the others, running free,
+        would never answer its abort round; the launch stops them)."""
+        self._rounds_due = not self._rounds
+
     def start_rounds(self) -> None:
         """Every rank is at the same point and some rank is about to run out: rounds from here."""
-        if not self.rounds:
-            self.rounds = True
+        if not self._rounds:
+            self._rounds = True
             self._recording_started = True
             self.events.start()
 
@@ -524,7 +539,7 @@ class JoinSession:
             self.start_rounds()
             return PassCursor(self, None)  # rounds from here: every step is shared anyway
         if self.rounds:
-            self.rounds = False
+            self._rounds = False
             self.events.pause()
             self.outputs.clear()
         return PassCursor(self, free)
