@@ -363,10 +363,9 @@ class Supervisor:
         """
         found = []
         for worker in self.workers:
-            code = worker.poll()
-            trace = self._traceback_of(worker.rank)
-            if trace is not None or (code not in (None, 0) and worker.pid not in self._killed):
-                found.append(RankFailure(worker.rank, code, trace, self._reason_of(worker.rank)))
+            failure = self._failure_of(worker)
+            if failure.traceback is not None or (failure.exitcode not in (None, 0) and worker.pid not in self._killed):
+                found.append(failure)
         causes = [f for f in found if not is_consequence(f)]
         return causes or found
 
