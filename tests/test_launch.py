@@ -190,6 +190,7 @@ def test_collectives(script, devices, strategy):
     _assert_mismatches_refused_on_every_rank([out["mismatches"] for out in result.json()], devices)
     _assert_gathered_for_metrics([out["metrics"] for out in result.json()], devices)
     _assert_gathered_over_a_loader([out["loader"] for out in result.json()], devices)
+    _assert_padded_passes_gathered_once([out["padded_passes"] for out in result.json()], devices)
 
 
 def _assert_mismatches_refused_on_every_rank(seen, devices):
@@ -287,8 +288,9 @@ def _assert_gathered_for_metrics(seen, devices):
 
 def _assert_gathered_over_a_loader(seen, devices):
     """Over a set-up loader of N samples, batch 2: outside lite.join the pass is padded as
-    torch's DistributedSampler pads (its repeats are gathered too); inside it every sample is
-    gathered exactly once, in rank order, the ranks out of data contributing nothing."""
+    torch's DistributedSampler pads, and the per-batch gathers leave the repeats out; inside
+    it every sample is gathered exactly once, in rank order, the ranks out of data
+    contributing nothing."""
     from torch.utils.data import DistributedSampler
 
     n = 21 if devices == 2 else 20
@@ -306,13 +308,61 @@ def _assert_gathered_over_a_loader(seen, devices):
     assert sum(map(len, inside)) == n and len(counts[-1]) < devices  # in the last step, a rank has none
     for rank, out in enumerate(seen):
         assert out["ids"] == ids
-        assert out["padded"] == per_step(padded)
-        assert sum(map(len, out["padded"])) == len(padded[0]) * devices > n  # the repeats are in
+        assert per_step(padded) != inside  # the pass repeats: rank order, the repeats in
+        assert out["padded"] == inside  # ... and each rank's repeated row is left out
         own_steps = (len(shares[rank]) + 1) // 2
         assert [step[:-1] for step in out["steps"]] == inside[:own_steps]
         assert all(step[-1] is True for step in out["steps"])  # the x rows came with their ids
         assert out["counts"] == counts[:own_steps]
         assert out["after"] == [ids[i] for share in shares for i in share]
+
+
+def _assert_padded_passes_gathered_once(seen, devices):
+    """Padded passes (batch 3) outside lite.join: per-batch gathers and the gather of the
+    whole pass after it hold every sample once, over torch's DistributedSampler shares and
+    over a user's batch sampler dealt batch by batch (where a whole batch repeats); a
+    per-batch sum holds the repeat unless that batch is the repeat alone, and the rank whose
+    share repeats is warned, once per pass, where it could not be left out."""
+    from torch.utils.data import DistributedSampler
+
+    n = 21 if devices == 2 else 20
+    ids = (torch.randperm(n, generator=torch.Generator().manual_seed(5)) * 10).tolist()
+    ranks = range(devices)
+    shares = [list(DistributedSampler(range(n), devices, r, shuffle=False)) for r in ranks]
+    whole = [list(range(i, min(i + 3, n))) for i in range(0, n, 3)]  # the user's batches
+    dealt = -(-len(whole) // devices) * devices  # padded by repeating the first batches
+    kinds = {
+        # rank -> (its batches in the padded pass, how many of its last items repeat)
+        "sampled": [
+            ([s[k : k + 3] for k in range(0, len(s), 3)], len(s) - len(range(r, n, devices)))
+            for r, s in enumerate(shares)
+        ],
+        "batched": [((whole * 2)[r:dealt:devices], 0 if r + dealt - devices < len(whole) else None) for r in ranks],
+    }
+    for name, per_rank in kinds.items():
+        kept, repeat_alone = [], []
+        for batches, repeats in per_rank:
+            repeats = len(batches[-1]) if repeats is None else repeats  # a whole batch repeats
+            kept.append(batches[:-1] + [batches[-1][: len(batches[-1]) - repeats]])
+            repeat_alone.append(repeats > 0 and len(batches[-1]) == 1)
+        steps = len(per_rank[0][0])
+        assert all(len(batches) == steps for batches, _ in per_rank)  # padded: the same count
+        assert sorted(i for rank in kept for batch in rank for i in batch) == list(range(n))
+        per_batch = [[ids[i] for rank in kept for i in rank[k]] for k in range(steps)]
+        after = [ids[i] for rank in kept for batch in rank for i in batch]
+        sums = [
+            [sum(ids[i] for i in per_rank[r][0][k]) for r in ranks if not (k == steps - 1 and repeat_alone[r])]
+            for k in range(steps)
+        ]
+        for rank, out in enumerate(seen):
+            got = out[name]
+            assert got["per_batch"] == per_batch, name
+            assert got["after"] == after, name
+            assert got["sums"] == sums, name
+            repeats = len(sum(per_rank[rank][0], [])) > len(sum(kept[rank], []))
+            warned = 1 if repeats and not repeat_alone[rank] else 0  # the sums hold the repeat
+            assert len(got["warned"]) == warned, (name, rank, got["warned"])
+            assert all("lite.join" in w and "Gather each batch" in w for w in got["warned"])
 
 
 FAILURES = [

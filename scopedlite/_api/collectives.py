@@ -23,6 +23,7 @@ import torch
 
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
+from scopedlite._api.repeats import without_repeats
 from scopedlite._comm.debug import check_same_collective, debug_enabled, describe
 from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
 from scopedlite._core.dtensors import is_dtensor
@@ -208,16 +209,20 @@ def gather_for_metrics(data: Any) -> Any:
     Under ``model_parallel`` each data-parallel replica's rows come once (see
     :func:`all_reduce`). Inside ``lite.join`` the ranks that ran out of data contribute nothing, and a set-up
     loader there pads nothing, so every sample of the dataset is gathered exactly once.
-    Outside it, a set-up loader pads its pass as ``DistributedSampler`` does (the last
-    ranks repeat the first samples to even out the counts); those repeats are gathered like
-    any other row, since which rows repeat is not known here: evaluate inside ``lite.join``
-    to see every sample once.
+    Outside it, a set-up loader pads its pass as ``DistributedSampler`` does (the last ranks'
+    shares end with a repeat of a first sample, to even out the counts). The repeated rows
+    are left out of a tensor gathered on the batch that holds them whose first dimension is
+    that batch's length, and of one gathered after the pass whose first dimension is the
+    pass's number of samples on this rank (every batch's outputs concatenated); anything
+    else gathered once the repeat was handed out may hold it, and a warning says so (see
+    ``_api/repeats.py``).
     """
     run = current()
     leaves = _leaves(data, "gather_for_metrics")
     tensors = [_as_tensor(leaf, run.device).reshape(1) if _is_scalar(leaf) else leaf for leaf in leaves]
     if run.world_size == 1:
         return _rebuilt(data, tensors)
+    tensors = without_repeats(run, tensors)
     target = _target(run)
     for tensor in tensors:
         _check(run, target, describe("gather_for_metrics", tensor, rows_differ=True))

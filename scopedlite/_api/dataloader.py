@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
 from scopedlite._api.epochs import PassCount, book_of
-from scopedlite._api.join import join_pass
+from scopedlite._api.join import joined
 from scopedlite._api.loader_state import ResumeCursor
 from scopedlite._api.rank_zero import in_rank_zero_first
 from scopedlite._api.rebuild import refuse_unrebuildable, shard_loader
@@ -34,8 +34,9 @@ class DeviceDataLoader:
     """A set-up loader: its batches arrive on the run's device, each pass with its epoch.
 
     Attribute access falls through to the wrapped ``DataLoader`` (``dataset``,
-    ``batch_size``, ``sampler``, ...). ``len()`` reads the scope: inside ``lite.join`` it is
-    this rank's exact number of batches, outside the padded one. Its position, for
+    ``batch_size``, ``sampler``, ...). ``len()`` is the pass's number of batches on this rank:
+    inside ``lite.join`` the exact one, outside the padded one. Whether a pass pads is decided
+    once, when it begins; between passes ``len()`` reads the scope it is called in. Its position, for
     ``lite.save``, is kept by its :class:`ResumeCursor` (``loader.cursor``).
 
     Args:
@@ -66,15 +67,21 @@ class DeviceDataLoader:
         self._epochs.choose_next(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        loader = self.cursor.begin_pass(self._epochs.begin())
+        # The pass's one question: is a lite.join block open? Inside, the pass pads nothing and
+        # the session learns this rank's length (and, from _told, when the pass is over).
+        session = joined()
+        loader = self.cursor.begin_pass(self._epochs.begin(), padded=session is None)
         if self.feed is not None:
             reads = _ReadAhead(self.cursor.batches(loader), self.loader.generator)
             yield from _past_first(self.cursor.counted(self.feed(reads), reads.generator_states), self._epochs.count)
             return
-        # Inside lite.join: the session learns this rank's length, and when a rank runs out.
-        session = join_pass(len(loader) if loader is self.loader and _has_length(loader) else None)
         batches = self.cursor.counted(_moved(self.cursor.batches(loader), self.device))
-        yield from _past_first(batches if session is None else _told(batches, session), self._epochs.count)
+        cursor = None
+        if session is not None:  # a one-process session has no cursor: nothing to tell
+            cursor = session.loader_pass(len(loader) if loader is self.loader and _has_length(loader) else None)
+        if cursor is not None:
+            batches = _told(batches, cursor)
+        yield from _past_first(batches, self._epochs.count)
 
     def __len__(self) -> int:
         return len(self.loader)

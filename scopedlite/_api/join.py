@@ -19,7 +19,7 @@ from scopedlite._strategies.abilities import SupportsJoin
 from scopedlite._strategies.join.members import join_block
 from scopedlite._strategies.registry import names_supporting
 
-__all__ = ["active_session", "join", "join_pass"]
+__all__ = ["active_session", "join", "joined"]
 
 _join_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.join", default=None)
 
@@ -103,15 +103,15 @@ def active_session(run: Run) -> Any:
     return None
 
 
-def join_pass(length: int | None) -> Any:
-    """The open join session's cursor for a pass over a set-up loader beginning now (this
-    rank's number of batches, None if unknown), or None outside ``lite.join``.
+def joined() -> Any:
+    """The join session open in this context, for a pass over a set-up loader beginning now,
+    or None outside ``lite.join``.
 
-    The session learns the ranks' lengths from it and runs no protocol round while every
-    rank still has data; the loader calls ``advance()`` when the next batch is asked for
-    and ``end()`` when the pass is over.
+    The loader asks it once per pass: inside, the pass pads nothing, and the loader tells the
+    session this rank's number of batches (``session.loader_pass(length)``, None if unknown),
+    from which the ranks agree to run no protocol round while every rank still has data; the
+    cursor it returns (None on one process) hears when the next batch is asked for and when
+    the pass is over.
     """
     scope = _join_var.get()
-    if scope is None:
-        return None
-    return scope.session.loader_pass(length)
+    return None if scope is None else scope.session

@@ -35,10 +35,10 @@ from scopedlite._api.current import current
 from scopedlite._api.epochs import PassCount, epoch_holders, hand_epoch
 from scopedlite._api.interrupted import Interrupted
 from scopedlite._api.rebuild import loader_arguments, shard_loader
+from scopedlite._api.repeats import PassRepeats, note
 from scopedlite._api.sampler import ShardedBatchSampler, ShardedSampler
 from scopedlite._core import rng
 from scopedlite._core.structures import map_tensors
-from scopedlite._strategies.join.members import in_join
 
 __all__ = ["FORMAT", "Interrupted", "Pending", "ResumeCursor", "resumed_loader", "spare_generator"]
 
@@ -134,6 +134,7 @@ class ResumeCursor:
         self._position = 0  # batches of this pass handed out (skipped ones of a resume included)
         self._pass_rng: dict[str, Any] | None = None
         self._pass_padded = False
+        self._repeats: PassRepeats | None = None  # where this rank's share of a padded pass repeats
         self._pass_share = 0  # this rank's count of sampler items in the pass
         self._pending: Pending | None = None
         self._pending_entry: dict[str, Any] | None = None  # the checkpoint entry _pending came from
@@ -147,21 +148,25 @@ class ResumeCursor:
 
     # -- following the passes --------------------------------------------------------------
 
-    def begin_pass(self, epoch: int) -> DataLoader:  # type: ignore[type-arg]
+    def begin_pass(self, epoch: int, padded: bool) -> DataLoader:  # type: ignore[type-arg]
         """Record where a pass of ``epoch`` starts and return the loader that reads it: the
-        set-up loader, or for a loaded pass, the one-pass loader that continues it."""
+        set-up loader, or for a loaded pass, the one-pass loader that continues it. ``padded``:
+        whether the pass pads (outside ``lite.join``), decided once for it and told to the
+        samplers."""
         pending, self._pending, self._pending_entry = self._pending, None, None
         if pending is not None and pending.epoch != epoch:
             pending = None  # the script chose another epoch itself: a fresh pass of it
         for sampler in self._sharded_samplers():
             sampler.resumed = pending.resumed if pending is not None else None
+            sampler.padded = padded
         generator = self.loader.generator
         if pending is not None and pending.pass_rng is not None:
             rng.restore(pending.pass_rng, generator)
         self._pass_rng = rng.capture(generator)
         self._pass_epoch = epoch
-        self._pass_padded = not in_join()
+        self._pass_padded = padded
         self._pass_share = _items(self.loader)
+        self._repeats = self._where_repeats() if padded else None
         self._pass_drew_seed = not (self.loader.persistent_workers and (self._iterated_here or self._iterated_before))
         self._pass_reshard = None
         self._in_pass = True
@@ -207,12 +212,23 @@ class ResumeCursor:
         generator after each batch was read, one per batch, in order; a checkpoint in the
         middle of the pass records the one of the last batch handed out.
         """
-        for batch in batches:
-            if generator_states is not None:
-                self._fed_generator = generator_states.popleft()
-            self._position += 1
-            yield batch
-        self._in_pass, self._fed_generator = False, None
+        run, repeats, padded = current(), self._repeats, self._pass_padded
+        try:
+            for batch in batches:
+                if generator_states is not None:
+                    self._fed_generator = generator_states.popleft()
+                self._position += 1
+                if repeats is not None:
+                    repeats.handed = self._position
+                note(run, repeats)
+                yield batch
+            if repeats is not None:
+                repeats.ended = True
+            self._in_pass, self._fed_generator = False, None
+        finally:
+            for sampler in self._sharded_samplers():
+                if repeats is self._repeats and sampler.padded is padded:  # not a later pass's
+                    sampler.padded = None  # outside a pass, len(loader) reads the scope again
 
     # -- checkpoint entry ------------------------------------------------------------------
 
@@ -327,6 +343,25 @@ class ResumeCursor:
 
     def _sharded_samplers(self) -> list[Any]:
         return [h for h in self.epochs.holders if isinstance(h, (ShardedSampler, ShardedBatchSampler))]
+
+    def _where_repeats(self) -> PassRepeats | None:
+        """Where this rank's share of a padded pass repeats an item (see ``repeats.py``),
+        or None: nothing repeats here, or not in rows a gather can tell (no batching)."""
+        batch_sampler = self.loader.batch_sampler
+        if isinstance(batch_sampler, ShardedBatchSampler):
+            if batch_sampler.repeats() == 0:
+                return None
+            last = len(batch_sampler) - 1
+            return PassRepeats(last, batch_sampler.last_length, batch_sampler.last_length, batch_sampler.share_rows)
+        sampler = getattr(batch_sampler, "sampler", None)
+        if not isinstance(sampler, ShardedSampler) or sampler.repeats() == 0:
+            return None
+        size, items = self._units_per_batch(), len(sampler)
+        batch = (items - 1) // size
+        if batch_sampler.drop_last and batch >= items // size:
+            return None  # the repeat is in the incomplete last batch, which is dropped
+        rows = sampler.repeats()
+        return PassRepeats(batch, lambda: rows, lambda: items - batch * size, lambda: items)
 
     def _units_per_batch(self) -> int:
         """Sampler items per batch: the batch size when our sampler sits in a ``BatchSampler``,

@@ -17,6 +17,12 @@ Rank ``r`` of ``w`` then takes positions ``r, r + w, r + 2w, ...`` of that order
 batches early would leave the others hanging in a collective. Inside ``lite.join`` nothing is
 padded or dropped: each item is read once, the ranks may get different numbers, and each
 rank's share is the padded share without its last, repeated item.
+
+Whether a pass pads is decided once, when a set-up loader's pass begins
+(:meth:`~scopedlite._api.loader_state.ResumeCursor.begin_pass` sets :attr:`padded` for the
+pass); a sampler iterated or measured outside such a pass reads the scope then. The repeated
+item of a padded pass, if this rank has one, is the last of its share (:meth:`repeats`), so
+``lite.gather_for_metrics`` can leave it out (``_api/repeats.py``).
 """
 
 from __future__ import annotations
@@ -131,6 +137,19 @@ def _count(n: int, rank: int, world_size: int, pad: bool, drop_last: bool = Fals
     return max(0, math.ceil((n - rank) / world_size))
 
 
+def _repeats(n: int, rank: int, world_size: int, pad: bool, drop_last: bool = False) -> int:
+    """The items padding added to rank ``rank``'s share, all at its end."""
+    if not pad or drop_last:
+        return 0
+    return _count(n, rank, world_size, True) - _count(n, rank, world_size, False)
+
+
+def _pads(sampler: ShardedSampler | ShardedBatchSampler) -> bool:
+    """Whether ``sampler`` pads now: as its loader decided for the pass under way, else as
+    the scope says (outside ``lite.join``)."""
+    return sampler.padded if sampler.padded is not None else not in_join()
+
+
 def forward_epoch(epoch: int, *targets: Any) -> None:
     """Call ``set_epoch`` on each distinct target that has one: a user's sampler that
     shuffles by epoch must see the epoch, or it repeats its order every pass."""
@@ -172,6 +191,8 @@ class ShardedSampler(Sampler[int]):
         self.epoch = 0
         # set by the loader for one pass resumed at another world size (see loader_state)
         self.resumed: Interrupted | None = None
+        # set by the loader for the pass under way: whether it pads (None: read the scope)
+        self.padded: bool | None = None
         self._n, self._order, self._drop_last = _order_rule(sampler, rank, world_size, seed)
 
     def set_epoch(self, epoch: int) -> None:
@@ -186,11 +207,18 @@ class ShardedSampler(Sampler[int]):
         order = self._order(self.epoch)
         if self.resumed is not None:
             order = [order[p] for p in self.resumed.remaining(len(order))]
-        return iter(_share(order, self.rank, self.world_size, not in_join(), self._drop_last))
+        return iter(_share(order, self.rank, self.world_size, _pads(self), self._drop_last))
 
     def __len__(self) -> int:
-        n = len(self.resumed.remaining(self._n)) if self.resumed is not None else self._n
-        return _count(n, self.rank, self.world_size, not in_join(), self._drop_last)
+        return _count(self._items(), self.rank, self.world_size, _pads(self), self._drop_last)
+
+    def repeats(self) -> int:
+        """How many items at the end of this rank's share repeat others (0 or 1): those a
+        padded pass added to even out the ranks' counts."""
+        return _repeats(self._items(), self.rank, self.world_size, _pads(self), self._drop_last)
+
+    def _items(self) -> int:
+        return len(self.resumed.remaining(self._n)) if self.resumed is not None else self._n
 
 
 class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
@@ -213,6 +241,8 @@ class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
         self.seed = seed
         self.epoch = 0
         self.resumed: Interrupted | None = None  # as for ShardedSampler
+        self.padded: bool | None = None  # as for ShardedSampler
+        self._lengths: list[int] = []  # the lengths of this rank's batches in its last pass
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle differently in each epoch; passed on to the batch sampler and to the
@@ -225,8 +255,24 @@ class ShardedBatchSampler(Sampler[list]):  # type: ignore[type-arg]
         batches = _drawn(self.batch_sampler, self.seed + self.epoch)
         if self.resumed is not None:
             batches = [batches[p] for p in self.resumed.remaining(len(batches))]
-        return iter(_share(batches, self.rank, self.world_size, pad=not in_join()))
+        share = _share(batches, self.rank, self.world_size, pad=_pads(self))
+        self._lengths = [len(batch) for batch in share]
+        return iter(share)
 
     def __len__(self) -> int:
-        n = len(self.resumed.remaining(self._n)) if self.resumed is not None else self._n
-        return _count(n, self.rank, self.world_size, pad=not in_join())
+        return _count(self._items(), self.rank, self.world_size, pad=_pads(self))
+
+    def repeats(self) -> int:
+        """How many batches at the end of this rank's share repeat others (0 or 1)."""
+        return _repeats(self._items(), self.rank, self.world_size, _pads(self))
+
+    def last_length(self) -> int:
+        """The number of items in the last batch of this rank's share (once iterated)."""
+        return self._lengths[-1] if self._lengths else 0
+
+    def share_rows(self) -> int:
+        """The number of items in all of this rank's batches (once iterated)."""
+        return sum(self._lengths)
+
+    def _items(self) -> int:
+        return len(self.resumed.remaining(self._n)) if self.resumed is not None else self._n

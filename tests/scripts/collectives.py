@@ -9,6 +9,7 @@ argv: devices [strategy]
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -117,6 +118,39 @@ def metrics_over_loader(run):
     return {"padded": padded, "steps": steps, "counts": counts, "after": after, "ids": IDS.tolist()}
 
 
+class Threes(torch.utils.data.Sampler):
+    """A user's batch sampler (dealt to ranks whole): the samples in threes, in order."""
+
+    def __iter__(self):
+        return iter([list(range(i, min(i + 3, N))) for i in range(0, N, 3)])
+
+    def __len__(self):
+        return -(-N // 3)
+
+
+def padded_passes():
+    """Gathers over padded passes (outside lite.join, batch 3): per batch and after the pass,
+    over the default sampler and over a user's batch sampler (whole batches repeat there);
+    and a per-batch sum, which holds the repeat and cannot be cut: a warning, once a pass."""
+    data = torch.utils.data.TensorDataset(IDS)
+    sampled = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=3))
+    batched = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_sampler=Threes()))
+    out = {}
+    for name, loader in (("sampled", sampled), ("batched", batched)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mine = []
+            per_batch = []
+            for (ids,) in loader:
+                per_batch.append(lite.gather_for_metrics(ids).tolist())
+                mine.append(ids)
+            after = lite.gather_for_metrics(torch.cat(mine)).tolist()
+            sums = [lite.gather_for_metrics(ids.sum()).tolist() for (ids,) in loader]
+        said = [str(w.message) for w in caught if "gather_for_metrics" in str(w.message)]
+        out[name] = {"per_batch": per_batch, "after": after, "sums": sums, "warned": said}
+    return out
+
+
 with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=60) as run:
     r = run.global_rank
     value = torch.tensor([r + 1.0, -(r + 1.0)])
@@ -139,6 +173,7 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
         "mismatches": mismatches(r),
         "metrics": metrics_outside_join(r),
         "loader": metrics_over_loader(run),
+        "padded_passes": padded_passes(),
     }
     lite.barrier()
     marker = os.environ["OUT"] + ".rank0-was-here"
