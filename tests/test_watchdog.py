@@ -21,7 +21,7 @@ import pytest
 
 from conftest import SCRIPTS, _env
 from scopedlite._hardware.machine import Machine
-from scopedlite._launch.stall import WRITTEN_BYTES, Look, Progress, look_at
+from scopedlite._launch.stall import DTENSOR_WAIT, WRITTEN_BYTES, Look, Progress, look_at
 from scopedlite._launch.watchdog import Limits
 from scopedlite._plan import resolve
 
@@ -81,9 +81,28 @@ def test_the_end_of_the_block_and_a_passing_check_are_a_wait():
     assert look.where == "the end of the launch block (train.py:2)"
 
 
+def test_a_dtensor_collective_is_a_wait_named_as_such():
+    """float() of a norm of FSDP's sharded parameters on one rank alone: the rank waits in a
+    functional collective's wait_tensor, whose innermost frame is torch's op wrapper (it was
+    taken for work, and the run hung for the collective timeout)."""
+    look = _look(
+        [
+            ("main", USER),
+            ("_dispatch_get_local_results_slow_path", f"{SITE}/torch/distributed/tensor/_dispatch.py"),
+            ("redistribute_local_tensor", f"{SITE}/torch/distributed/tensor/_redistribute.py"),
+            ("wait", f"{SITE}/torch/distributed/_functional_collectives.py"),
+            ("wait_tensor", f"{SITE}/torch/distributed/_functional_collectives.py"),
+            ("__call__", f"{SITE}/torch/_ops.py"),
+        ]
+    )
+    assert look.where == f"{DTENSOR_WAIT} (train.py:2)"
+
+
 @pytest.mark.parametrize(
     "chain",
     [
+        # an op the user's code calls through torch.ops: work
+        [("main", USER), ("__call__", f"{SITE}/torch/_ops.py")],
         # torchrun's @record wraps the whole program in a torch.distributed frame
         [("wrapper", f"{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py"), ("main", USER)],
         # a long backward: C++ under torch.autograd
@@ -91,7 +110,7 @@ def test_the_end_of_the_block_and_a_passing_check_are_a_wait():
         # rank 0 alone writing a checkpoint
         [("main", USER), ("save", "/repo/scopedlite/_api/checkpoint.py"), ("save", f"{SITE}/torch/serialization.py")],
     ],
-    ids=["torchrun-record", "backward", "save"],
+    ids=["torch-op", "torchrun-record", "backward", "save"],
 )
 def test_work_is_not_a_wait(chain):
     assert not _look(chain).waiting
@@ -244,6 +263,21 @@ def test_a_rank_leaving_its_join_loop_early_alone_is_named_with_the_fix(script):
         script, "break", f"lite.join's round at the end of its block (stall.py:{block})", "x"
     )
     assert "lite.all_reduce(torch.tensor(float(stop)), op='max')" in message, message
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_alone_in_a_dtensor_collective_is_ended(script):
+    """Under FSDP, rank 0 alone reads a norm of the sharded parameters while ranks 1 and 2
+    wait in lite.barrier(): the watchdog names rank 0's wait as a DTensor's collective."""
+    result = script("stall", "dtensor", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    out = result.json()
+    assert out["error"] == "CollectiveTimeoutError", result.explain()
+    message = out["message"]
+    alone = _line_of("print(float(sum(p.detach().pow(2).sum()")
+    assert f"rank 0: waits in {DTENSOR_WAIT} (stall.py:{alone})" in message, message
+    for rank in (1, 2):
+        assert f"rank {rank}: waits in barrier (stall.py:{alone + 1})" in message, message
+    _assert_no_survivors(out["pids"])
 
 
 def _ended_with_rank_zero_alone(script, mode, rank_zero_waits_in, batch):

@@ -35,7 +35,16 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Callable
 
-__all__ = ["JOIN_BLOCK_END", "Look", "Progress", "bytes_written", "format_stack_of", "frame_of", "look_at"]
+__all__ = [
+    "DTENSOR_WAIT",
+    "JOIN_BLOCK_END",
+    "Look",
+    "Progress",
+    "bytes_written",
+    "format_stack_of",
+    "frame_of",
+    "look_at",
+]
 
 # The places where a rank waits for its peers, as path endings (``/`` separated).
 _WAIT_FILES = (
@@ -60,8 +69,11 @@ _IN_CPP = (
 #: looks is computing (a wait in gloo or NCCL blocks its threads and uses next to none).
 BUSY_SHARE = 0.1
 # Frames a wait calls into briefly and returns from (rank 0's end-of-block barrier asks the
-# supervisor at every poll whether a worker failed): seen innermost, they do not end a wait.
-_PASSING = ("/scopedlite/_launch/supervise.py",)
+# supervisor at every poll whether a worker failed), or through which it calls its C++ wait
+# (torch's op wrapper, under a functional collective's wait_tensor: a DTensor's redistribution
+# of FSDP's or tensor parallelism's shards): seen innermost, they do not end a wait, and what
+# called them tells whether the rank waits or works.
+_PASSING = ("/scopedlite/_launch/supervise.py", "/torch/_ops.py")
 # Our waits at the end of a launch block (through the store, or gloo's monitored barrier).
 _BLOCK_END = ("end_of_block_barrier", "final_gloo_barrier")
 # lite.join's rounds, named by the session's step that opened them (join/session.py).
@@ -76,6 +88,10 @@ _JOIN_ROUNDS = {
     "clip_gradients": "lite.join's round before lite.clip_gradients",
     "_announce_collective": "lite.join's round before a lite collective",
 }
+# A DTensor operation that needs other ranks' shards (a norm of FSDP's sharded parameters
+# read with float(), full_tensor()) waits in a functional collective under this folder.
+_DTENSOR = "/torch/distributed/tensor/"
+DTENSOR_WAIT = "a DTensor's collective (an operation on sharded parameters or gradients)"
 # Library code: the caller named in a wait's description is the first frame outside these.
 _LIBRARIES = ("/torch/", "/deepspeed/", "/scopedlite/", "/contextlib.py", "/threading.py")
 
@@ -130,6 +146,8 @@ def look_at(frame: FrameType | None) -> Look:
         if caller.f_code.co_name in _BLOCK_END:
             waits_in = "the end of the launch block"
         caller = caller.f_back
+    if caller is not None and _DTENSOR in _normal(caller.f_code.co_filename):
+        waits_in = DTENSOR_WAIT  # torch's op on a DTensor, not the collective's own name
     in_round: bool | None = None  # the wait is a join round's own exchange (not a replay's collective)
     while caller is not None and any(lib in _normal(caller.f_code.co_filename) for lib in _LIBRARIES):
         if in_round is not False and _normal(caller.f_code.co_filename).endswith(_JOIN_SESSION):

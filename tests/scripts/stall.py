@@ -7,6 +7,7 @@ argv: mode
     (SCOPEDLITE_TERM_GRACE) ends the run.
   backward: step 3 only, with the short stall window.
   break: step 4 only, with the short stall window.
+  dtensor: step 5 only (under fsdp), with the short stall window.
 
 1. Rank 0 works alone (in Python) for three stall windows while ranks 1 and 2 wait for it in
    lite.barrier(): no stall, the barrier passes.
@@ -21,6 +22,10 @@ argv: mode
    no round per step): rank 0 alone leaves its loop early (an early stop decided from its own
    numbers). It waits in a round at the end of the block, not in the final broadcast, which
    met the others' gradient all-reduce; the watchdog names that wait and the fix.
+5. FSDP: rank 0 alone reads the squared norm of the sharded parameters (a log line under
+   `if rank == 0:`), a DTensor reduction over every rank, while ranks 1 and 2 wait in
+   lite.barrier(): the watchdog names the DTensor's collective (it took it for work, and the
+   run hung until the collective timeout).
 """
 
 import json
@@ -37,7 +42,8 @@ OUT = os.environ["OUT"]
 mode = sys.argv[1]
 outcome: dict = {"barrier_passed": False, "error": None}
 try:
-    with lite.launch(strategy="ddp", devices=3, accelerator="cpu", timeout=300) as run:
+    strategy = "fsdp" if mode == "dtensor" else "ddp"
+    with lite.launch(strategy=strategy, devices=3, accelerator="cpu", timeout=300) as run:
         with open(f"{OUT}.pid{run.global_rank}", "w") as f:
             f.write(str(os.getpid()))
         if mode == "stall":
@@ -60,9 +66,14 @@ try:
                     lite.backward(model(x).sum())
                     if i == 1 and run.is_global_zero:
                         break  # rank 0 alone stops early
+        if mode == "dtensor":
+            model = lite.setup(torch.nn.Linear(4, 6))
+            if run.is_global_zero:
+                print(float(sum(p.detach().pow(2).sum() for p in model.parameters())))  # rank 0 alone
+            lite.barrier()
         if mode == "sigterm" and run.is_global_zero:
             Path(f"{OUT}.ready").touch()  # the test sends SIGTERM now
-        if mode not in ("backward", "break") and run.global_rank != 1:
+        if mode not in ("backward", "break", "dtensor") and run.global_rank != 1:
             lite.all_reduce(torch.ones(2))  # rank 1 skipped it
 except BaseException as e:  # noqa: BLE001 - report whatever came out
     outcome.update(error=type(e).__name__, message=str(e))
