@@ -1,7 +1,11 @@
 """The one place scopedlite replaces functions on torch's own modules and classes (checked on
 torch 2.9-2.13). Two uses, each for a bounded time, each undone when it ends:
 
-- :func:`replaced`, for as long as a ``lite.join`` block is open (below);
+- :func:`replaced`, for as long as a ``lite.join`` block is open (below), and, for as long
+  as a sharded run (``fsdp``, ``model_parallel``) is active, on ``DTensor``'s ways of becoming
+  a Python number (``item``, ``__float__``, ...): torch reads a DTensor that is only this
+  rank's part (a norm of sharded parameters) as that part, silently, and has no hook for
+  such a read, so ``fsdp/whole_numbers.py`` reads the whole value there instead;
 - :func:`noting_created`, for as long as a run is active: every new instance of some classes
   is handed to the run once it is built (LR schedulers: see the function).
 
@@ -33,7 +37,7 @@ _MARK = "__scopedlite_replaced__"
 def replaced(owner: Any, names: Iterable[str], wrap: Callable[[str, Any], Any]) -> Iterator[None]:
     """``owner.<name> = wrap(name, original)`` for each of ``names`` that ``owner`` has, until
     the block ends. A function replaced already (an enclosing block's) is left as it is."""
-    saved: list[tuple[str, Any]] = []
+    saved: list[tuple[str, Any, bool]] = []  # (name, original, whether owner had it itself)
     try:
         for name in names:
             original = getattr(owner, name, None)
@@ -41,12 +45,15 @@ def replaced(owner: Any, names: Iterable[str], wrap: Callable[[str, Any], Any]) 
                 continue
             wrapper = wrap(name, original)
             setattr(wrapper, _MARK, True)
-            saved.append((name, original))
+            saved.append((name, original, name in vars(owner)))
             setattr(owner, name, wrapper)
         yield
     finally:
-        for name, original in reversed(saved):
-            setattr(owner, name, original)
+        for name, original, own in reversed(saved):
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited (DTensor's __float__ is Tensor's): inherited again
+                delattr(owner, name)
 
 
 @contextlib.contextmanager

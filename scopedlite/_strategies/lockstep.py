@@ -161,6 +161,22 @@ class GatherLedger:
             f"Call it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
         )
 
+    def whole_value(self, call: str) -> None:
+        """``call`` (``"float() of a DTensor (_NormPartial(2))"``) is about to read the whole
+        value of a tensor each rank holds part of (``fsdp/whole_numbers.py``): return when
+        every rank reads one too, raise :class:`MethodCalledOnSomeRanksError` when some do not."""
+        callers, seen = self._together(call)
+        if callers is None:
+            return
+        raise MethodCalledOnSomeRanksError(
+            f"{call} was read on rank(s) {callers} only ({_others(seen, call)}), under "
+            f"strategy={self.strategy!r}: each rank holds part of that value (a norm or a sum "
+            "of sharded parameters or gradients is this rank's part, a sharded tensor its "
+            "rows), and its whole value needs every rank's part, so alone it would wait for "
+            "ever. Read it on every rank (before `if run.is_global_zero:`), then use the number "
+            "on one: `norm = float(p.norm())` everywhere, `if run.is_global_zero: print(norm)`."
+        )
+
     def collective(self) -> None:
         """This rank enters a collective of ours: a rank about to gather alone sees it here
         and knows this one will not come to its gather."""
@@ -370,6 +386,11 @@ class _Entry:
         return _FORWARD
 
 
+def _call(name: str) -> str:
+    """A method's name as called (``GPT.generate()``); a read (``float() of ...``) as it is."""
+    return name if name.endswith(")") else f"{name}()"
+
+
 def _others(seen: dict[int, str], what: str) -> str:
     """What the ranks that do not do ``what`` do instead, for a refusal."""
     words = {
@@ -379,5 +400,7 @@ def _others(seen: dict[int, str], what: str) -> str:
         _IN_COLLECTIVE: "waits in a collective (lite.barrier(), lite.all_reduce(), ...) this rank did not call",
     }
     return "; ".join(
-        f"rank {r} {words.get(done, f'called {done}() instead')}" for r, done in sorted(seen.items()) if done != what
+        f"rank {r} {words.get(done, f'called {_call(done)} instead')}"
+        for r, done in sorted(seen.items())
+        if done != what
     )

@@ -31,6 +31,7 @@ from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.join import FSDPJoinHook
 from scopedlite._strategies.fsdp.methods import count_depth, gather_for_user_methods
+from scopedlite._strategies.fsdp.whole_numbers import whole_numbers
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
@@ -220,8 +221,12 @@ class FSDPStrategy(ProcessGroupStrategy):
             if placement.world_size > 1
             else None
         )
+        self._run_patches = contextlib.ExitStack()  # undone when the run stops
+        self._numbers_whole = False
 
     def stop(self) -> None:
+        if getattr(self, "_run_patches", None) is not None:
+            self._run_patches.close()
         if getattr(self, "_ledger", None) is not None:
             self._ledger.close()
         self._fsdp_mesh = None
@@ -269,6 +274,9 @@ class FSDPStrategy(ProcessGroupStrategy):
             gather_for_user_methods(module, user_class, self._ledger)
         elif self._ledger is not None:  # its forwards still gather (tensor-parallel collectives)
             count_depth(module, Nesting(self._ledger))
+        if not self._numbers_whole:  # a number read from a sharded value is its whole value
+            self._run_patches.enter_context(whole_numbers(self._ledger))
+            self._numbers_whole = True
 
         # The sharded parameter that replaced each one, for optimizers built on the plain ones.
         after = dict(module.named_parameters(remove_duplicate=False))
