@@ -51,3 +51,21 @@ def test_each_block_owns_its_registry_and_leaves_nothing_on_what_it_set_up(scrip
         assert block["ours_on_model"] == [], f"{where}: left on the set-up model: {block['ours_on_model']}"
         assert block["ours_on_user_module"] == [], f"{where}: left on the user's module: {block['ours_on_user_module']}"
         assert block["ours_on_optimizer"] == [], f"{where}: left on the optimizer: {block['ours_on_optimizer']}"
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", "fsdp", pytest.param("deepspeed_stage_3", marks=_NEEDS_DEEPSPEED)],
+)
+def test_an_optimizer_over_parameters_of_no_set_up_model_is_refused_on_every_rank(script, strategy):
+    """Another instance's parameters, or a free-standing one beside the model's: ValueError on
+    every rank naming the parameter's shape and the fix (under ddp it was accepted, and its
+    gradient was never averaged; DeepSpeed failed inside deepspeed.initialize); the run goes on."""
+    result = script("foreign_parameters", strategy)
+    assert result.returncode == 0, result.explain()
+    for out in result.json():
+        assert "holds a parameter of shape (8, 4)" in out["another_model"], out
+        assert "holds a parameter of shape ()" in out["free_parameter"], out
+        for message in (out["another_model"], out["free_parameter"]):
+            assert "torch.nn.Parameter(...)" in message and "lite.setup(model, opt)" in message, message
+        assert out["trained"] == 2  # the run went on, every rank with it

@@ -84,6 +84,15 @@ class SetUpObjects:
         except TypeError:  # not hashable: not a model of ours
             return default
 
+    def refuse_foreign_parameters(self, optimizer: Any, why: str) -> None:
+        """Raise ``ValueError`` when ``optimizer`` holds a parameter that no model set up in
+        this run holds; ``why`` says what would go wrong under the strategy."""
+        held = {id(p) for model in self.models() for p in model.parameters()}
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if id(param) not in held:
+                    raise foreign_parameter(index, param, "that belongs to no module set up in this run", why)
+
     def add_optimizer(self, optimizer: Any) -> None:
         self._optimizers = [r for r in self._optimizers if r() is not None]
         self._optimizers.append(weakref.ref(optimizer))
@@ -170,3 +179,13 @@ class SetUpObjects:
             or self._successors
             or self._at_end
         )
+
+
+def foreign_parameter(index: int, param: Any, what: str, why: str = "") -> ValueError:
+    """The error for an optimizer's parameter (in param group ``index``) that ``what`` says
+    is not the set-up model's; ``why``: what would go wrong under the strategy."""
+    return ValueError(
+        f"The optimizer's param group {index} holds a parameter of shape {tuple(param.shape)} "
+        f"{what}{why}. Set the model up first or together (`model, opt = lite.setup(model, opt)`), "
+        "with every trained parameter inside it (`model.scale = torch.nn.Parameter(...)` registers one)."
+    )

@@ -95,6 +95,11 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         return ddp
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        # DDP averages the gradients of its module's parameters only: another one would be
+        # trained by each rank on its own batches, and the ranks' copies would drift apart.
+        self.set_up.refuse_foreign_parameters(
+            optimizer, ": DDP averages only its model's gradients, so each rank would train its own copy of it"
+        )
         self.set_up.add_optimizer(optimizer)
         return self.scaling.wrap_optimizer(optimizer, self.set_up)
 

@@ -53,7 +53,7 @@ from scopedlite._strategies.deepspeed.logs import (
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.reroute import replace_method, reroute_step
-from scopedlite._strategies.set_up import SetUpObjects
+from scopedlite._strategies.set_up import SetUpObjects, foreign_parameter
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -267,6 +267,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "it without lite.setup (`model.to(lite.current().device)`; at stages 1-2 every "
                 "rank holds all of it), or set it up with an optimizer you never step."
             )
+        if optimizer is not None:
+            _refuse_foreign_parameters(module, optimizer)
         with filtered_warnings():
             engine, _, _, _ = self.deepspeed.initialize(
                 model=module.to(self.placement.device) if not is_zero3_partitioned(module) else module,
@@ -484,3 +486,16 @@ def _input_caster(dtype: torch.dtype) -> Any:
         return map_tensors(args, convert), map_tensors(kwargs, convert)
 
     return cast
+
+
+def _refuse_foreign_parameters(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """DeepSpeed's engine steps the optimizer over its model's parameters: one of another
+    module fails deep inside ``deepspeed.initialize`` (a ``KeyError``, or at stage 3 an
+    ``AttributeError``), so it is refused first, naming it."""
+    held = {id(p) for p in module.parameters()}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in held:
+                raise foreign_parameter(
+                    index, param, "that is not one of the model's", ": the DeepSpeed engine steps only its model's"
+                )

@@ -35,6 +35,7 @@ from scopedlite._strategies.fsdp.whole_numbers import whole_numbers
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
+from scopedlite._strategies.set_up import foreign_parameter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -332,11 +333,7 @@ class FSDPStrategy(ProcessGroupStrategy):
                     continue
                 successor = self.set_up.successor(param)
                 if successor is None:
-                    raise ValueError(
-                        f"The optimizer's param group {index} holds a parameter of shape "
-                        f"{tuple(param.shape)} that belongs to no module set up in this run. "
-                        "Set the model up first or together: `model, opt = lite.setup(model, opt)`."
-                    )
+                    raise foreign_parameter(index, param, "that belongs to no module set up in this run")
                 swaps.append((group["params"], position, successor))
         if swaps and optimizer.state:
             raise ValueError(
