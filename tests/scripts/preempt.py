@@ -15,7 +15,7 @@ out = os.environ["OUT"]
 with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
     with open(f"{out}.pid{run.global_rank}", "w") as f:
         f.write(str(os.getpid()))
-    model, opt = lite.setup(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.01))
+    model = lite.setup(make_model())
     opt = lite.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
     x, y = make_data(8).tensors
     step = 0

@@ -52,13 +52,13 @@ try:
             lite.barrier()
             outcome["barrier_passed"] = True
         if mode == "backward":
-            model, opt = lite.setup(torch.nn.Linear(4, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+            model = lite.setup(torch.nn.Linear(4, 1))
             for step in range(3):
                 lite.backward(model(torch.ones(2, 4)).sum())
                 if step == 1 and run.is_global_zero:  # after DDP's bucket rebuild (2nd forward)
                     lite.barrier()  # rank 0 alone
         if mode == "break":
-            model, opt = lite.setup(torch.nn.Linear(4, 1), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+            model = lite.setup(torch.nn.Linear(4, 1))
             data = torch.utils.data.TensorDataset(torch.ones(24, 4))
             loader = lite.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=2))
             with lite.join(model):
