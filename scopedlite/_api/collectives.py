@@ -31,7 +31,7 @@ from scopedlite._core.run import Run
 from scopedlite._core.structures import map_leaves, map_tensors, structure_of
 from scopedlite._strategies.base import REDUCE_OPS
 
-__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "gather_for_metrics"]
+__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "gather_for_metrics", "gather_rows"]
 
 
 def _is_leaf(x: Any) -> bool:
@@ -217,12 +217,19 @@ def gather_for_metrics(data: Any) -> Any:
     else gathered once the repeat was handed out may hold it, and a warning says so (see
     ``_api/repeats.py``).
     """
+    return gather_rows(data, leave_out_repeats=True)
+
+
+def gather_rows(data: Any, leave_out_repeats: bool = False) -> Any:
+    """:func:`gather_for_metrics`; for our own gathers of per-rank rows (``lite.throughput``'s
+    state) without ``leave_out_repeats``: their rows are no batch's samples."""
     run = current()
     leaves = _leaves(data, "gather_for_metrics")
     tensors = [_as_tensor(leaf, run.device).reshape(1) if _is_scalar(leaf) else leaf for leaf in leaves]
     if run.world_size == 1:
         return _rebuilt(data, tensors)
-    tensors = without_repeats(run, tensors)
+    if leave_out_repeats:
+        tensors = without_repeats(run, tensors)
     target = _target(run)
     for tensor in tensors:
         _check(run, target, describe("gather_for_metrics", tensor, rows_differ=True))

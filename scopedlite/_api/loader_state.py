@@ -135,6 +135,7 @@ class ResumeCursor:
         self._pass_rng: dict[str, Any] | None = None
         self._pass_padded = False
         self._repeats: PassRepeats | None = None  # where this rank's share of a padded pass repeats
+        self._passes = 0  # passes begun
         self._pass_share = 0  # this rank's count of sampler items in the pass
         self._pending: Pending | None = None
         self._pending_entry: dict[str, Any] | None = None  # the checkpoint entry _pending came from
@@ -165,6 +166,7 @@ class ResumeCursor:
         self._pass_rng = rng.capture(generator)
         self._pass_epoch = epoch
         self._pass_padded = padded
+        self._passes += 1
         self._pass_share = _items(self.loader)
         self._repeats = self._where_repeats() if padded else None
         self._pass_drew_seed = not (self.loader.persistent_workers and (self._iterated_here or self._iterated_before))
@@ -212,7 +214,7 @@ class ResumeCursor:
         generator after each batch was read, one per batch, in order; a checkpoint in the
         middle of the pass records the one of the last batch handed out.
         """
-        run, repeats, padded = current(), self._repeats, self._pass_padded
+        run, repeats, this_pass = current(), self._repeats, self._passes
         try:
             for batch in batches:
                 if generator_states is not None:
@@ -226,8 +228,8 @@ class ResumeCursor:
                 repeats.ended = True
             self._in_pass, self._fed_generator = False, None
         finally:
-            for sampler in self._sharded_samplers():
-                if repeats is self._repeats and sampler.padded is padded:  # not a later pass's
+            if this_pass == self._passes:  # no later pass began (a left iterator collected late)
+                for sampler in self._sharded_samplers():
                     sampler.padded = None  # outside a pass, len(loader) reads the scope again
 
     # -- checkpoint entry ------------------------------------------------------------------

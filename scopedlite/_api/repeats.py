@@ -93,7 +93,8 @@ def without_repeats(run: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]
         rows = repeats.cut(len(tensor))
         if rows == 0 and not repeats.warned:
             repeats.warned = True
-            warnings.warn(_UNCUT.format(shape=tuple(tensor.shape), rank=run.global_rank), stacklevel=3)
+            # stacklevel: the user's line that called lite.gather_for_metrics
+            warnings.warn(_UNCUT.format(shape=tuple(tensor.shape), rank=run.global_rank), stacklevel=4)
         kept.append(tensor[: len(tensor) - rows] if rows else tensor)
     return kept
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from scopedlite._api.collectives import all_gather, gather_for_metrics
+from scopedlite._api.collectives import all_gather, gather_rows
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
 from scopedlite._api.log import last_step, log_dict
@@ -222,7 +222,7 @@ class _Throughput(Scope["_Throughput"]):
         mine = int(self._row[_RANK]) == holder
         payload = pickle.dumps((self._kept, self._window, self._totals)) if mine else b""
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if mine else torch.empty(0, dtype=torch.uint8)
-        received = gather_for_metrics(data.to(self._run.device)).cpu()
+        received = gather_rows(data.to(self._run.device)).cpu()
         self._kept, self._window, self._totals = pickle.loads(received.numpy().tobytes())
 
     def _no_peak(self, stacklevel: int) -> None:

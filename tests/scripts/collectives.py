@@ -146,7 +146,9 @@ def padded_passes():
                 mine.append(ids)
             after = lite.gather_for_metrics(torch.cat(mine)).tolist()
             sums = [lite.gather_for_metrics(ids.sum()).tolist() for (ids,) in loader]
-        said = [str(w.message) for w in caught if "gather_for_metrics" in str(w.message)]
+        said = [
+            f"{os.path.basename(w.filename)}: {w.message}" for w in caught if "gather_for_metrics" in str(w.message)
+        ]
         out[name] = {"per_batch": per_batch, "after": after, "sums": sums, "warned": said}
     return out
 
