@@ -84,14 +84,16 @@ class SetUpObjects:
         except TypeError:  # not hashable: not a model of ours
             return default
 
-    def refuse_foreign_parameters(self, optimizer: Any, why: str) -> None:
-        """Raise ``ValueError`` when ``optimizer`` holds a parameter that no model set up in
-        this run holds; ``why`` says what would go wrong under the strategy."""
+    def foreign_parameters(self, optimizer: Any) -> list[tuple[int, Any]]:
+        """``(param group index, parameter)`` of each parameter of ``optimizer`` that no model
+        set up in this run holds."""
         held = {id(p) for model in self.models() for p in model.parameters()}
-        for index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                if id(param) not in held:
-                    raise foreign_parameter(index, param, "that belongs to no module set up in this run", why)
+        return [
+            (index, param)
+            for index, group in enumerate(optimizer.param_groups)
+            for param in group["params"]
+            if id(param) not in held
+        ]
 
     def add_optimizer(self, optimizer: Any) -> None:
         self._optimizers = [r for r in self._optimizers if r() is not None]

@@ -1,10 +1,16 @@
 """An optimizer holding a parameter that no set-up model holds is refused on every rank.
 
 Under ddp such a parameter's gradient is not averaged (each rank would train its own copy,
-and the copies drift apart without a word), and DeepSpeed failed inside deepspeed.initialize
-with a KeyError or AttributeError. Two cases: an optimizer built on another instance of the
-model, and a free-standing parameter (a CLIP-style logit scale) beside the model's. Then the
-run goes on: the model set up with its own optimizer trains one step on every rank.
+and the copies drift apart without a word): refused at the first step that would train it.
+Under fsdp and DeepSpeed it is refused when set up (DeepSpeed failed inside
+deepspeed.initialize with a KeyError or AttributeError). Cases:
+
+- ``free_parameter``: a free-standing parameter (a CLIP-style logit scale) in the loss, beside
+  the model's: refused everywhere;
+- ``set_up_later``: one optimizer over two models, set up with the first, the second set up
+  after: trains under ddp (fsdp swaps each parameter for its shard when the optimizer is set
+  up, so its models come first; DeepSpeed takes one model per optimizer);
+- then the run goes on: every rank reaches the next collective.
 
 argv: strategy
 """
@@ -16,6 +22,9 @@ import torch
 import scopedlite as lite
 from _common import from_every_rank, make_model, write
 
+strategy = sys.argv[1]
+X = torch.ones(2, 4)
+
 
 def refused(fn):
     try:
@@ -25,19 +34,27 @@ def refused(fn):
     return None
 
 
-with lite.launch(strategy=sys.argv[1], devices=2, accelerator="cpu", timeout=60) as run:
-    scale = torch.nn.Parameter(torch.ones(()))
-    other = make_model()
-    out = {
-        "another_model": refused(lambda: lite.setup(make_model(), torch.optim.SGD(other.parameters(), lr=0.1))),
-    }
-    net = make_model()
-    out["free_parameter"] = refused(lambda: lite.setup(net, torch.optim.SGD([*net.parameters(), scale], lr=0.1)))
-    net = make_model()
-    model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    lite.backward(model(torch.ones(2, 4)).sum())
+def free_parameter():
+    net, scale = make_model(), torch.nn.Parameter(torch.ones(()))
+    model, opt = lite.setup(net, torch.optim.SGD([*net.parameters(), scale], lr=0.1))
+    lite.backward((model(X) * scale).sum())
     opt.step()
-    out["trained"] = lite.all_reduce(1, op="sum")
+
+
+def set_up_later():
+    first, second = make_model(), make_model(1)
+    first, opt = lite.setup(first, torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1))
+    second = lite.setup(second)
+    lite.backward(first(X).sum() + second(X).sum())
+    opt.step()
+    return [float(p.detach().sum()) for p in second.parameters()][-1]
+
+
+with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
+    out = {"free_parameter": refused(free_parameter)}
+    if strategy == "ddp":
+        out["set_up_later"] = set_up_later()
+    out["went_on"] = lite.all_reduce(1, op="sum")
     seen = from_every_rank(out)
     if run.is_global_zero:
         write(seen)

@@ -14,6 +14,7 @@ from scopedlite._strategies.ddp.buffers import take_over_buffer_sync
 from scopedlite._strategies.ddp.join import DDPJoinHook, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
+from scopedlite._strategies.set_up import foreign_parameter
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
 
 if TYPE_CHECKING:
@@ -95,13 +96,36 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         return ddp
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        # DDP averages the gradients of its module's parameters only: another one would be
-        # trained by each rank on its own batches, and the ranks' copies would drift apart.
-        self.set_up.refuse_foreign_parameters(
-            optimizer, ": DDP averages only its model's gradients, so each rank would train its own copy of it"
-        )
+        foreign = self.set_up.foreign_parameters(optimizer)
+        if foreign:
+            self._refuse_training_foreign(optimizer, foreign)
         self.set_up.add_optimizer(optimizer)
         return self.scaling.wrap_optimizer(optimizer, self.set_up)
+
+    def _refuse_training_foreign(self, optimizer: torch.optim.Optimizer, foreign: list[tuple[int, Any]]) -> None:
+        """DDP averages the gradients of its module's parameters only: one that no set-up
+        model holds would be trained by each rank on its own batches, and the ranks' copies
+        would drift apart without a word. Such a parameter is refused at the first step that
+        would train it (it has a gradient), on every rank alike; one whose model is set up
+        later (``lite.setup(g, opt)``, then ``lite.setup(d)``) is fine. Checked by a step
+        pre-hook that ends once every such parameter found its model, and at the run's end."""
+
+        def check(*_: Any) -> None:
+            held = {id(p) for model in self.set_up.models() for p in model.parameters()}
+            foreign[:] = [(index, p) for index, p in foreign if id(p) not in held]
+            for index, param in foreign:
+                if param.grad is not None:
+                    raise foreign_parameter(
+                        index,
+                        param,
+                        "that belongs to no model set up in this run",
+                        ": DDP averages only its models' gradients, so each rank would train its own copy of it",
+                    )
+            if not foreign:
+                handle.remove()
+
+        handle = optimizer.register_step_pre_hook(check)
+        self.set_up.at_end(handle.remove)
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
