@@ -396,6 +396,9 @@ def test_worker_failure_ends_the_run(script, mode, rank, expected):
     assert out["latency"] < 60, f"took {out['latency']:.2f} s from the fault to the error"
     if mode in ("raise", "busy"):
         assert "--- traceback of rank" in out["message"] and "fail.py" in out["message"]
+    if mode == "abort":  # where the aborting rank's threads were, beside torch's one line
+        assert "Fatal Python error: Aborted" in result.stderr, result.explain()
+        assert 'fail.py", line' in result.stderr.split("Fatal Python error: Aborted")[1], result.explain()
     _assert_no_survivors(out["pids"])
 
 

@@ -26,6 +26,7 @@ from scopedlite._core.process import this_process
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
 from scopedlite._launch.signals import SignalWatch, StopSignals
+from scopedlite._launch.stacks import FatalStacks
 from scopedlite._launch.start import threads_per_process
 from scopedlite._launch.watchdog import Diagnosis, HangWatchdog, Limits
 from scopedlite._plan import Plan
@@ -62,6 +63,7 @@ class Role(ABC):
         self.run: Run | None = None
         self.world_of_run: World | None = None
         self.signals: StopSignals | None = None
+        self.fatal_stacks: FatalStacks | None = None
         self.watchdog: HangWatchdog | None = None
         self.cores = CoreShare()
 
@@ -112,12 +114,17 @@ class Role(ABC):
         self.run = run
         self.world_of_run = world
         self.signals = StopSignals(forward).install()
+        self.fatal_stacks = FatalStacks().install() if world.world_size > 1 else None
         return run
 
     def end_signals(self) -> None:
+        """The block's signal handling ends: SIGTERM's, and the stacks of a fatal signal."""
         if self.signals is not None:
             self.signals.uninstall()
             self.signals = None
+        if self.fatal_stacks is not None:
+            self.fatal_stacks.uninstall()
+            self.fatal_stacks = None
 
     def start_watchdog(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from scopedlite._core.process import this_process
 __all__ = [
     "STACK_SIGNAL",
     "CollectiveTimeoutError",
+    "FatalStacks",
     "collect_stacks",
     "enable_stack_dumps",
     "looks_like_timeout",
@@ -71,6 +73,33 @@ class CollectiveTimeoutError(TimeoutError):
 
 def stack_file(error_dir: Path, rank: int) -> Path:
     return error_dir / f"stack{rank}.txt"
+
+
+class FatalStacks:
+    """For a multi-process block: a rank killed by a fatal signal (SIGABRT: gloo or NCCL
+    aborting on a collective mismatch; SIGSEGV) prints where each of its Python threads was
+    to its stderr (faulthandler), beside torch's one-line C++ message, instead of nothing.
+    Left as it is where faulthandler is on already (pytest, ``python -X faulthandler``), or
+    where stderr has no file descriptor (a notebook); undone at the end of the block."""
+
+    def __init__(self) -> None:
+        self._enabled = False
+
+    def install(self) -> FatalStacks:
+        stream = sys.__stderr__
+        if faulthandler.is_enabled() or stream is None:
+            return self
+        try:
+            faulthandler.enable(file=stream, all_threads=True)
+        except (ValueError, OSError, AttributeError):  # no usable descriptor: nothing to print to
+            return self
+        self._enabled = True
+        return self
+
+    def uninstall(self) -> None:
+        if self._enabled:
+            faulthandler.disable()
+            self._enabled = False
 
 
 def enable_stack_dumps(path: Path) -> None:

@@ -74,7 +74,7 @@ class RankFailure:
             return (
                 f"rank {self.rank} aborted (SIGABRT); torch.distributed does this on a "
                 "collective mismatch (ranks calling different collectives or shapes): see "
-                "its stderr above"
+                "its stderr above, with where each of its threads was"
             )
         if self.signal_name:
             return f"rank {self.rank} was killed by {self.signal_name}"
