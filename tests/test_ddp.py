@@ -83,3 +83,22 @@ def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
         assert f"Parameter indices which did not receive grad for rank {rank}: 4 5" in error["cause"]
     # rank 0 entered first and found nothing; rank 1 entered after it left, and found its file
     assert out["rank_zero_first"] == [{"first": True, "found": False}, {"first": False, "found": True}]
+
+
+def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):
+    """Outside lite.join, rank 1 skips a step (`if not torch.isfinite(loss): continue`): both
+    ranks raise at the next backward each runs (rank 0's 4th, rank 1's 5th), before any
+    optimizer step averages gradients of different steps (before: silently averaged, then
+    gloo aborted the process). A user's communication hook still reduces the buckets, with
+    the values of plain torch; rank 0 evaluating alone under no_grad and an uneven join block
+    refuse nothing."""
+    result = script("skipped_step")
+    assert result.returncode == 0, result.explain()
+    seen = result.json()
+    for rank, out in enumerate(seen):
+        assert out["hook_calls"] >= 4, out["hook_calls"]  # the user's hook reduced every step
+        assert_close(out["hooked"], out["reference"], 1e-5, f"rank {rank} params")
+        assert out["after_join"]
+        assert "different numbers of training forwards" in out["error"], out["error"]
+        assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
+    assert [out["at"] for out in seen] == [3, 4]

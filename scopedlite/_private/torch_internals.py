@@ -20,6 +20,7 @@ __all__ = [
     "OpInterceptor",
     "compiled_parts",
     "cpu_attention_ops",
+    "ddp_comm_hook",
     "ddp_ignored_names",
     "ddp_owes_buffer_sync",
     "ddp_reducer_is_reducing",
@@ -417,6 +418,18 @@ def ddp_owes_buffer_sync(ddp: Any) -> bool:
     accessor. Checked against torch 2.13 (``DistributedDataParallel._post_forward``).
     """
     return bool(ddp.require_forward_param_sync)
+
+
+def ddp_comm_hook(ddp: Any) -> Any:
+    """The communication hook registered on DDP model ``ddp`` (None: none).
+
+    Why private: a hook can be registered on a DDP model only once, and the set-up model has
+    ours (``ddp/counted.py``); a hook the user registers then runs inside it, which needs ours
+    back. DDP keeps the registered ``(hook, state)`` pairs in ``_comm_hooks`` and has no
+    public getter. Checked against torch 2.9.0 and 2.13.0.
+    """
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    return hooks[0][0] if hooks else None
 
 
 def ddp_ignored_names(ddp: Any) -> set[str]:

@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._private.torch_internals import has_registered, registered_submodule
+from scopedlite._private.torch_internals import ddp_comm_hook, has_registered, registered_submodule
+from scopedlite._strategies.ddp.counted import count_of, use_hook
 from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.ddp.unused import forward_naming_unused
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
@@ -303,11 +304,22 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """DDP's forward; its error for parameters the last backward left without a
-        gradient names them and our fixing line (ddp/unused.py)."""
+        gradient names them and our fixing line (ddp/unused.py). A training forward is
+        counted, for the ranks to compare at the next backward (ddp/counted.py)."""
+        if torch.is_grad_enabled():
+            count = count_of(ddp_comm_hook(self))
+            if count is not None:
+                count.forwards += 1
         return forward_naming_unused(self, *args, **kwargs)
 
     def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
         return ddp_method(self, inner, name)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Your hook reduces the gradient buckets; inside the set-up model's own hook, which
+        still has the ranks compare their backwards (ddp/counted.py)."""
+        if not use_hook(ddp_comm_hook(self), state, hook):
+            super().register_comm_hook(state, hook)
 
 
 def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView]) -> torch.nn.Module:

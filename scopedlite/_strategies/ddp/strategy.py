@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from scopedlite._private.torch_internals import ddp_comm_hook
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.ddp.buffers import take_over_buffer_sync
+from scopedlite._strategies.ddp.counted import count_of, counted_backwards
 from scopedlite._strategies.ddp.join import DDPJoinHook, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
@@ -87,6 +89,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         module = self.placement.precision.convert_module(module.to(self.placement.device))
         device_ids = [self.placement.device.index] if self.placement.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
+        # Every rank runs the same synchronised backwards, or all refuse at once (counted.py).
+        ddp.register_comm_hook(None, counted_backwards(self._rounds_group()))
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
         # Rank 0's buffers at the end of each training forward, not at the start of the next:
@@ -126,6 +130,21 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
 
         handle = optimizer.register_step_pre_hook(check)
         self.set_up.at_end(handle.remove)
+
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
+        # inside the block the ranks run different numbers of their own forwards on purpose
+        self._pause_counts(True)
+        return super().join(joinables, divide_by_initial_world_size)
+
+    def join_left(self) -> None:
+        super().join_left()
+        self._pause_counts(False)  # every rank leaves here together: the counts start again
+
+    def _pause_counts(self, paused: bool) -> None:
+        for model in self.set_up.models():
+            count = count_of(ddp_comm_hook(model))
+            if count is not None:
+                count.paused, count.forwards = paused, 0
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

@@ -1,0 +1,96 @@
+"""Every rank averages the gradients of the same step, or all refuse at the first that differs.
+
+DDP averages each gradient bucket with whatever the other ranks send next on the group. A rank
+that skips a step the others take (``if not torch.isfinite(loss): continue`` on one rank,
+outside ``lite.join``) pairs its next backward with their current one: from there every step
+averages gradients of different steps, silently, until a collective of another size aborts
+the process. Counting backwards cannot tell (each rank's k-th backward meets the others'
+k-th); counting the training forwards before each can: the skipping rank ran one forward
+more. So the set-up model's communication hook runs DDP's all-reduce (torch's public default
+hook, or the one the user registers: :func:`use_hook`) and, with the last bucket of each
+backward, the ranks compare how many training forwards (gradients enabled) of the model each
+has run: one all-reduce of two integers, on a CPU group (the model's under gloo; under NCCL a
+gloo group beside it, so that no device synchronises). Where they differ, that backward
+raises on every rank, before an optimizer step uses its gradients.
+
+Inside ``lite.join`` the ranks run different numbers of their own forwards on purpose (the
+join protocol keeps them in step): the comparison pauses there, and the counts start again
+from zero on every rank when the block ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ForwardCount", "count_of", "counted_backwards", "use_hook"]
+
+_MARK = "__scopedlite_counted__"
+
+
+class ForwardCount:
+    """One set-up DDP model's training forwards, and the hook that reduces its buckets."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        self.state: Any = None
+        self.forwards = 0
+        self.paused = False  # inside lite.join
+
+
+def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
+    """The communication hook to register on a set-up DDP model (``state`` is unused: the
+    reducing hook's state is kept in its :class:`ForwardCount`). ``count_group``: where the
+    counts travel, a CPU group (None: the default group, gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    count = ForwardCount(allreduce_hook)
+
+    def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        reduced = count.hook(count.state, bucket)
+        if not bucket.is_last() or count.paused:
+            return reduced
+        n = count.forwards
+        mine = torch.tensor([n, -n], dtype=torch.int64)
+        compared = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
+        both = torch.futures.collect_all([reduced, compared.get_future()])
+        return both.then(lambda _: _verdict(n, int(mine[0]), -int(mine[1]), reduced))
+
+    # DDP checks a hook's annotations as objects; under `from __future__ import annotations`
+    # they are strings
+    counted.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    setattr(counted, _MARK, count)
+    return counted
+
+
+def _verdict(mine: int, most: int, least: int, reduced: torch.futures.Future[Any]) -> Any:
+    if most != least:
+        raise RuntimeError(
+            f"The ranks reached this backward after different numbers of training forwards of "
+            f"the model (this rank {mine}; between {least} and {most} across ranks), so DDP "
+            "would average gradients of different steps: a rank skipped a step the others "
+            "took (`if not torch.isfinite(loss): continue` on one rank), or ran a forward with "
+            "gradients enabled that the others did not (an evaluation without torch.no_grad()). "
+            "Decide a skip on every rank together: `skip = lite.all_reduce(float(not "
+            'torch.isfinite(loss)), op="max") > 0`, then `continue` everywhere; evaluate under '
+            "torch.no_grad(); or run the loop inside "
+            "`with lite.join(model):`."
+        )
+    return reduced.value()
+
+
+def count_of(registered: Any) -> ForwardCount | None:
+    """The :class:`ForwardCount` of the hook ``registered`` on a DDP model (None: not ours)."""
+    return getattr(registered, _MARK, None)
+
+
+def use_hook(registered: Any, state: Any, hook: Callable[..., Any]) -> bool:
+    """Let ``hook`` (with ``state``) reduce the buckets under the counting hook ``registered``
+    (what DDP holds); False when ``registered`` is not ours."""
+    count = count_of(registered)
+    if count is None:
+        return False
+    count.hook, count.state = hook, state
+    return True
