@@ -56,7 +56,7 @@ def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
         mine = torch.tensor([n, -n], dtype=torch.int64)
         compared = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
         both = torch.futures.collect_all([reduced, compared.get_future()])
-        return both.then(lambda _: _verdict(n, int(mine[0]), -int(mine[1]), reduced))
+        return both.then(lambda done: _verdict(done, n, mine, reduced))
 
     # DDP checks a hook's annotations as objects; under `from __future__ import annotations`
     # they are strings
@@ -65,7 +65,13 @@ def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
     return counted
 
 
-def _verdict(mine: int, most: int, least: int, reduced: torch.futures.Future[Any]) -> Any:
+def _verdict(
+    done: torch.futures.Future[Any], mine: int, compared: torch.Tensor, reduced: torch.futures.Future[Any]
+) -> Any:
+    # Either exchange failing (a peer gone) completes ``done`` at once with that error, the
+    # other maybe still under way: raise it as it is, as DDP's own reduction would.
+    done.value()
+    most, least = int(compared[0]), -int(compared[1])
     if most != least:
         raise RuntimeError(
             f"The ranks reached this backward after different numbers of training forwards of "
