@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ class Supervisor:
         self.error_dir = error_dir
         self._lock = threading.Lock()
         self._failed = threading.Event()
+        self._rank_zero_caused = False  # every failed worker only followed this process's failure
         self._killed: set[int] = set()
         self._stop = threading.Event()
         self._armed = False
@@ -263,6 +265,8 @@ class Supervisor:
                 failure = self._failure_of(bad)
                 if is_consequence(failure):
                     self._await_cause(CAUSE_GRACE_SECONDS)
+                    # still no worker with a cause of its own: rank 0 (this process) is the cause
+                    self._rank_zero_caused = all(is_consequence(f) for f in self.failures())
                 if failure.timed_out:
                     # A collective timed out there: the ranks still waiting in it, or not, are
                     # the diagnosis (lite.CollectiveTimeoutError). Ask them before they go.
@@ -309,6 +313,11 @@ class Supervisor:
         # is being entered, after its `_enter`: no `__exit__` would report it. Still armed, so
         # the next poll interrupts again if the main thread goes on.
         if self._armed and getattr(frame, "f_code", None) not in _DEFERRING:
+            if self._rank_zero_caused and sys.exc_info()[1] is not None:
+                # The workers only followed this process's own failure (they read the abort
+                # of a lite.join it leaves by its exception), which is on its way out now:
+                # raising here would replace it. Launch's exit reports it.
+                return
             self._armed = False
             raise _Interrupted()
 
