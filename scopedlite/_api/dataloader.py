@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
 from scopedlite._api.epochs import PassCount, book_of
-from scopedlite._api.join import joined
+from scopedlite._api.join import active_session
 from scopedlite._api.loader_state import ResumeCursor
 from scopedlite._api.rank_zero import in_rank_zero_first
 from scopedlite._api.rebuild import refuse_unrebuildable, shard_loader
@@ -69,7 +69,7 @@ class DeviceDataLoader:
     def __iter__(self) -> Iterator[Any]:
         # The pass's one question: is a lite.join block open? Inside, the pass pads nothing and
         # the session learns this rank's length (and, from _told, when the pass is over).
-        session = joined()
+        session = active_session(current())
         loader = self.cursor.begin_pass(self._epochs.begin(), padded=session is None)
         if self.feed is not None:
             reads = _ReadAhead(self.cursor.batches(loader), self.loader.generator)

@@ -19,7 +19,7 @@ from scopedlite._strategies.abilities import SupportsJoin
 from scopedlite._strategies.join.members import join_block
 from scopedlite._strategies.registry import names_supporting
 
-__all__ = ["active_session", "join", "joined"]
+__all__ = ["active_session", "join"]
 
 _join_var: contextvars.ContextVar[Any] = contextvars.ContextVar("scopedlite.join", default=None)
 
@@ -101,17 +101,3 @@ def active_session(run: Run) -> Any:
     if scope is not None and scope.run is run:
         return scope.session
     return None
-
-
-def joined() -> Any:
-    """The join session open in this context, for a pass over a set-up loader beginning now,
-    or None outside ``lite.join``.
-
-    The loader asks it once per pass: inside, the pass pads nothing, and the loader tells the
-    session this rank's number of batches (``session.loader_pass(length)``, None if unknown),
-    from which the ranks agree to run no protocol round while every rank still has data; the
-    cursor it returns (None on one process) hears when the next batch is asked for and when
-    the pass is over.
-    """
-    scope = _join_var.get()
-    return None if scope is None else scope.session

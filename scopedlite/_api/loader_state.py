@@ -356,13 +356,13 @@ class ResumeCursor:
             last = len(batch_sampler) - 1
             return PassRepeats(last, batch_sampler.last_length, batch_sampler.last_length, batch_sampler.share_rows)
         sampler = getattr(batch_sampler, "sampler", None)
-        if not isinstance(sampler, ShardedSampler) or sampler.repeats() == 0:
+        rows = sampler.repeats() if isinstance(sampler, ShardedSampler) else 0
+        if rows == 0:
             return None
-        size, items = self._units_per_batch(), len(sampler)
+        size, items = self._units_per_batch(), self._pass_share  # the sampler's items in this pass
         batch = (items - 1) // size
         if batch_sampler.drop_last and batch >= items // size:
             return None  # the repeat is in the incomplete last batch, which is dropped
-        rows = sampler.repeats()
         return PassRepeats(batch, lambda: rows, lambda: items - batch * size, lambda: items)
 
     def _units_per_batch(self) -> int:

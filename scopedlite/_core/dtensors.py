@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["dtensor_class", "is_dtensor"]
+__all__ = ["dtensor_class", "is_dtensor", "is_whole"]
 
 
 def dtensor_class() -> type | None:
@@ -21,3 +21,9 @@ def dtensor_class() -> type | None:
 def is_dtensor(value: Any) -> bool:
     cls = dtensor_class()
     return cls is not None and isinstance(value, cls)
+
+
+def is_whole(dtensor: Any) -> bool:
+    """Whether every rank holds all of ``dtensor`` (replicated on every mesh dimension): not
+    a shard, nor a partial sum or norm to be reduced."""
+    return all(placement.is_replicate() for placement in dtensor.placements)

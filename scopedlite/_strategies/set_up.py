@@ -84,16 +84,9 @@ class SetUpObjects:
         except TypeError:  # not hashable: not a model of ours
             return default
 
-    def foreign_parameters(self, optimizer: Any) -> list[tuple[int, Any]]:
-        """``(param group index, parameter)`` of each parameter of ``optimizer`` that no model
-        set up in this run holds."""
-        held = {id(p) for model in self.models() for p in model.parameters()}
-        return [
-            (index, param)
-            for index, group in enumerate(optimizer.param_groups)
-            for param in group["params"]
-            if id(param) not in held
-        ]
+    def parameter_ids(self) -> set[int]:
+        """The ids of the parameters the models set up in this run hold."""
+        return {id(p) for model in self.models() for p in model.parameters()}
 
     def add_optimizer(self, optimizer: Any) -> None:
         self._optimizers = [r for r in self._optimizers if r() is not None]
@@ -181,6 +174,17 @@ class SetUpObjects:
             or self._successors
             or self._at_end
         )
+
+
+def parameters_outside(optimizer: Any, held: set[int]) -> list[tuple[int, Any]]:
+    """``(param group index, parameter)`` of each parameter of ``optimizer`` whose id is not
+    in ``held``."""
+    return [
+        (index, param)
+        for index, group in enumerate(optimizer.param_groups)
+        for param in group["params"]
+        if id(param) not in held
+    ]
 
 
 def foreign_parameter(index: int, param: Any, what: str, why: str = "") -> ValueError:

@@ -53,10 +53,10 @@ def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
         if not bucket.is_last() or count.paused:
             return reduced
         n = count.forwards
-        mine = torch.tensor([n, -n], dtype=torch.int64)
-        compared = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
+        extremes = torch.tensor([n, -n], dtype=torch.int64)  # becomes [most, -least] over the ranks
+        compared = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
         both = torch.futures.collect_all([reduced, compared.get_future()])
-        return both.then(lambda done: _verdict(done, n, mine, reduced))
+        return both.then(lambda done: _verdict(done, n, extremes, reduced))
 
     # DDP checks a hook's annotations as objects; under `from __future__ import annotations`
     # they are strings
@@ -66,12 +66,12 @@ def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
 
 
 def _verdict(
-    done: torch.futures.Future[Any], mine: int, compared: torch.Tensor, reduced: torch.futures.Future[Any]
+    done: torch.futures.Future[Any], mine: int, extremes: torch.Tensor, reduced: torch.futures.Future[Any]
 ) -> Any:
     # Either exchange failing (a peer gone) completes ``done`` at once with that error, the
     # other maybe still under way: raise it as it is, as DDP's own reduction would.
     done.value()
-    most, least = int(compared[0]), -int(compared[1])
+    most, least = int(extremes[0]), -int(extremes[1])
     if most != least:
         raise RuntimeError(
             f"The ranks reached this backward after different numbers of training forwards of "

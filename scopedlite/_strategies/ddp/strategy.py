@@ -16,7 +16,7 @@ from scopedlite._strategies.ddp.counted import count_of, counted_backwards
 from scopedlite._strategies.ddp.join import DDPJoinHook, refuse_what_join_cannot_replay
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
-from scopedlite._strategies.set_up import foreign_parameter
+from scopedlite._strategies.set_up import foreign_parameter, parameters_outside
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         return ddp
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        foreign = self.set_up.foreign_parameters(optimizer)
+        foreign = parameters_outside(optimizer, self.set_up.parameter_ids())
         if foreign:
             self._refuse_training_foreign(optimizer, foreign)
         self.set_up.add_optimizer(optimizer)
@@ -115,7 +115,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         pre-hook that ends once every such parameter found its model, and at the run's end."""
 
         def check(*_: Any) -> None:
-            held = {id(p) for model in self.set_up.models() for p in model.parameters()}
+            held = self.set_up.parameter_ids()
             foreign[:] = [(index, p) for index, p in foreign if id(p) not in held]
             for index, param in foreign:
                 if param.grad is not None:

@@ -53,7 +53,7 @@ from scopedlite._strategies.deepspeed.logs import (
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.reroute import replace_method, reroute_step
-from scopedlite._strategies.set_up import SetUpObjects, foreign_parameter
+from scopedlite._strategies.set_up import SetUpObjects, foreign_parameter, parameters_outside
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement
@@ -492,10 +492,7 @@ def _refuse_foreign_parameters(module: torch.nn.Module, optimizer: torch.optim.O
     """DeepSpeed's engine steps the optimizer over its model's parameters: one of another
     module fails deep inside ``deepspeed.initialize`` (a ``KeyError``, or at stage 3 an
     ``AttributeError``), so it is refused first, naming it."""
-    held = {id(p) for p in module.parameters()}
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            if id(param) not in held:
-                raise foreign_parameter(
-                    index, param, "that is not one of the model's", ": the DeepSpeed engine steps only its model's"
-                )
+    for index, param in parameters_outside(optimizer, {id(p) for p in module.parameters()}):
+        raise foreign_parameter(
+            index, param, "that is not one of the model's", ": the DeepSpeed engine steps only its model's"
+        )

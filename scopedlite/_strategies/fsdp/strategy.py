@@ -325,7 +325,7 @@ class FSDPStrategy(ProcessGroupStrategy):
         Parameter groups and hyper-parameters are kept; each parameter is swapped for its
         sharded successor, found by identity in the modules set up so far.
         """
-        sharded = {id(p) for m in self.set_up.models() for p in m.parameters()}
+        sharded = self.set_up.parameter_ids()
         swaps: list[tuple[list[Any], int, torch.nn.Parameter]] = []
         for index, group in enumerate(optimizer.param_groups):
             for position, param in enumerate(group["params"]):

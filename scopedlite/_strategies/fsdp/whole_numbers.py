@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 from typing import Any
 
-import torch
-
-from scopedlite._comm.debug import PACKAGE_DIR
-from scopedlite._core.dtensors import dtensor_class
+from scopedlite._core.dtensors import dtensor_class, is_whole
 from scopedlite._private.torch_patches import replaced
+from scopedlite._strategies.join.guards import from_library
 from scopedlite._strategies.join.members import in_join
 from scopedlite._strategies.lockstep import GatherLedger
 
@@ -48,8 +45,6 @@ _READS = {
     "__bool__": "bool()",
     "__format__": "an f-string",
 }
-# torch reads local parts on purpose; our code reads what it means to
-_LIBRARIES = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, PACKAGE_DIR)
 
 
 def whole_numbers(ledger: GatherLedger | None) -> contextlib.AbstractContextManager[None]:
@@ -67,7 +62,8 @@ def _whole(name: str, original: Any, ledger: GatherLedger) -> Any:
 
     @functools.wraps(original)
     def read(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_whole(self) or (name == "__format__" and self.dim() != 0) or not _from_user(sys._getframe(1)):
+        # torch reads local parts on purpose; our code reads what it means to
+        if is_whole(self) or (name == "__format__" and self.dim() != 0) or from_library(sys._getframe(1)):
             return original(self, *args, **kwargs)
         if in_join():
             raise RuntimeError(
@@ -83,13 +79,5 @@ def _whole(name: str, original: Any, ledger: GatherLedger) -> Any:
     return read
 
 
-def _is_whole(tensor: Any) -> bool:
-    return all(placement.is_replicate() for placement in tensor.placements)
-
-
 def _parts(tensor: Any) -> str:
     return ", ".join(str(placement) for placement in tensor.placements)
-
-
-def _from_user(frame: Any) -> bool:
-    return not os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARIES)

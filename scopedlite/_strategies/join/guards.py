@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._comm.debug import PACKAGE_DIR
-from scopedlite._core.dtensors import dtensor_class
+from scopedlite._core.dtensors import dtensor_class, is_whole
 from scopedlite._private.torch_internals import functional_collectives
 from scopedlite._private.torch_patches import replaced
 
-__all__ = ["refuse_distributed_norms", "refuse_dtensor_collectives", "refuse_raw_collectives"]
+__all__ = ["from_library", "refuse_distributed_norms", "refuse_dtensor_collectives", "refuse_raw_collectives"]
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
@@ -228,15 +228,16 @@ def _ranks_of(group: Any) -> list[int] | None:
     return None
 
 
+def from_library(frame: Any) -> bool:
+    """Whether ``frame`` runs torch's, DeepSpeed's or scopedlite's code, not the user's."""
+    return os.path.abspath(frame.f_code.co_filename).startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR))
+
+
 def _user_caller() -> Any:
     """The frame that called the guarded function, when it is outside torch, DeepSpeed and
     scopedlite (their own calls are the join protocol's to keep in step); else None."""
     caller = sys._getframe(2)
-    return (
-        None
-        if os.path.abspath(caller.f_code.co_filename).startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR))
-        else caller
-    )
+    return None if from_library(caller) else caller
 
 
 def _unmirrorable(call: str, caller: Any, fix: str) -> RuntimeError:
@@ -275,7 +276,7 @@ def _guarded_full_tensor(original: Any) -> Any:
     @functools.wraps(original)
     def full_tensor(self: Any, *args: Any, **kwargs: Any) -> Any:
         caller = _user_caller()
-        if caller is not None and not all(p.is_replicate() for p in self.placements):
+        if caller is not None and not is_whole(self):
             raise _unmirrorable("DTensor.full_tensor()", caller, "Gather it after the `with lite.join(...)` block.")
         return original(self, *args, **kwargs)
 
@@ -286,8 +287,7 @@ def _guarded(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
-        path = os.path.abspath(caller.f_code.co_filename)
-        if not path.startswith((_TORCH_DIR, PACKAGE_DIR, _DEEPSPEED_DIR)):
+        if not from_library(caller):
             ours = _EQUIVALENT.get(name)
             instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
             raise RuntimeError(
