@@ -9,6 +9,7 @@ and joins it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,9 +29,16 @@ from _common import assert_close, reference_training
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (each held until all are chosen)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _expected(n: int, world_size: int, batch: int) -> list[list[float]]:
@@ -216,6 +224,7 @@ class Slurm:
         )
         node = subprocess.run([_tool("slurmd"), "-C"], capture_output=True, text=True, timeout=20, check=True)
         node_line = next(line for line in node.stdout.splitlines() if line.startswith("NodeName="))
+        ports = _free_ports(2)
         (d / "slurm.conf").write_text(
             "\n".join(
                 [
@@ -238,8 +247,10 @@ class Slurm:
                     f"SlurmdSpoolDir={d / 'spool'}",
                     f"SlurmctldLogFile={d / 'slurmctld.log'}",
                     f"SlurmdLogFile={d / 'slurmd.log'}",
-                    "SlurmctldPort=46817",
-                    "SlurmdPort=46818",
+                    # free ports, not fixed ones: 46817-46818 lie in Linux's ephemeral range, where
+                    # a gloo or store connection of a test running beside this one took 46818 once
+                    f"SlurmctldPort={ports[0]}",
+                    f"SlurmdPort={ports[1]}",
                     node_line.replace(node_line.split()[0], f"NodeName={host}") + " State=UNKNOWN",
                     f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
                     "",
