@@ -101,4 +101,5 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):
         assert out["after_join"]
         assert "different numbers of training forwards" in out["error"], out["error"]
         assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
+        assert out["after"] == 3.0  # the next collective pairs
     assert [out["at"] for out in seen] == [3, 4]

@@ -315,3 +315,27 @@ def test_zero3_sharded_init_checkpoint_and_refusals(script, tmp_path):
     refusals = out["refusals"]
     assert refusals["join"].startswith("ValueError") and "not both at once" in refusals["join"]
     assert "lite.setup(model, opt)" in refusals["setup_optimizers"]
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed_op
+@pytest.mark.timeout(RUN_S + 30)
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"])
+def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, strategy):
+    """Outside lite.join, rank 1 skips a step (`if not torch.isfinite(loss): continue`): each
+    rank raises in its next lite.backward (rank 0's 4th batch, rank 1's 5th), before the
+    engine steps with gradients reduced across different steps (before: the ranks went on
+    silently with mixed gradients and hung at the next collective of another size); the
+    next collective pairs. Even steps train as plain torch does, with rank 0
+    evaluating alone under no_grad in between, and an uneven join block restarts the counts."""
+    result = script("skipped_step", strategy, timeout=RUN_S)
+    assert result.returncode == 0, result.explain()
+    seen = result.json()
+    for rank, out in enumerate(seen):
+        assert_close(out["hooked"], out["reference"], 1e-5, f"rank {rank} params")
+        assert out["after_join"]
+        assert "different numbers of training forwards" in out["error"], out["error"]
+        assert "DeepSpeed would reduce gradients of different steps" in out["error"], out["error"]
+        assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
+        assert out["after"] == 3.0
+    assert [out["at"] for out in seen] == [3, 4]

@@ -22,6 +22,7 @@ library, rather than wrapping it again, is what FSDP2's ``fully_shard`` does too
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import sys
 from collections.abc import Callable, Mapping
@@ -221,6 +222,16 @@ def _not_traced(method: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(method) if "torch._dynamo" in sys.modules else method
 
 
+# Set while one of the user's methods runs inside the wrapper's forward: a backend that counts
+# the user's training forwards (deepspeed/counted.py) does not count that call.
+_METHOD_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("scopedlite_method_running", default=False)
+
+
+def method_running() -> bool:
+    """Whether the wrapper's forward under way runs one of the user's methods, not forward."""
+    return _METHOD_RUNNING.get()
+
+
 def _run_through_forward(
     wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
@@ -240,9 +251,11 @@ def _run_through_forward(
         )
 
     inner.forward = _not_traced(redirected)  # type: ignore[method-assign]
+    token = _METHOD_RUNNING.set(True)
     try:
         out = wrapper(*args, **kwargs)
     finally:
+        _METHOD_RUNNING.reset(token)
         _restore_forward(inner, had_own_forward, own_forward)
     return out.value if isinstance(out, _Boxed) else out
 

@@ -1,15 +1,20 @@
-"""A step skipped on one rank under ddp, outside lite.join, is refused on every rank at once.
+"""A step skipped on one rank under ddp or DeepSpeed, outside lite.join, is refused on every
+rank at once.
 
-Before, each later backward was averaged with another step's of the other rank, silently,
-until a collective of another size aborted the process. Cases, in one launch of 2 ranks:
+Before, each later backward was reduced with another step's of the other rank, silently, until
+a collective of another size aborted the process (DDP) or hung at the end (DeepSpeed). Cases,
+in one launch of 2 ranks (argv: strategy, default ddp):
 
-- ``hooked``: the user's own communication hook (registered after lite.setup) reduces the
-  buckets, and training equals plain torch's; rank 0 alone evaluates under torch.no_grad()
-  in between (no refusal);
+- ``hooked``: training equals plain torch's; under ddp the user's own communication hook
+  (registered after lite.setup) reduces the buckets; rank 0 alone evaluates under
+  torch.no_grad() in between (no refusal; not under ZeRO-3, whose forward gathers);
 - ``after_join``: an uneven lite.join block, then even steps (the counts start again);
 - ``skip``: rank 1 skips the backward and step of its 4th batch: every rank raises at the
-  next backward it runs (rank 0 at its 4th, rank 1 at its 5th), naming the fix.
+  next backward it runs (rank 0 at its 4th, rank 1 at its 5th), naming the fix; the next
+  collective pairs.
 """
+
+import sys
 
 import torch
 
@@ -42,7 +47,8 @@ def reference(steps):
     return params(model)
 
 
-with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as run:
+strategy = sys.argv[1] if len(sys.argv) > 1 else "ddp"
+with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
     rank = run.global_rank
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -54,10 +60,11 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as ru
 
     net = make_model()
     model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
-    model.register_comm_hook(None, mine)
+    if strategy == "ddp":
+        model.register_comm_hook(None, mine)
     for i, x in enumerate(batches(rank, 4)):
         step(model, opt, x)
-        if i == 1 and rank == 0:
+        if i == 1 and rank == 0 and strategy != "deepspeed_stage_3":  # ZeRO-3 refuses it (it gathers)
             with torch.no_grad():
                 model(x)  # rank 0 alone evaluates
     out = {"hook_calls": calls[0], "hooked": params(model), "reference": reference(4)}
@@ -82,6 +89,7 @@ with lite.launch(strategy="ddp", devices=2, accelerator="cpu", timeout=60) as ru
     except RuntimeError as e:
         error = str(e)
     out.update(error=error, at=at)
+    out["after"] = float(lite.all_reduce(torch.tensor(float(rank + 1)), op="sum"))
     seen = from_every_rank(out)
     if run.is_global_zero:
         write(seen)

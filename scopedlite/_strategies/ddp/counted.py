@@ -25,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from scopedlite._strategies.skipped_step import different_forwards
+
 __all__ = ["ForwardCount", "count_of", "counted_backwards", "use_hook"]
 
 _MARK = "__scopedlite_counted__"
@@ -73,17 +75,7 @@ def _verdict(
     done.value()
     most, least = int(extremes[0]), -int(extremes[1])
     if most != least:
-        raise RuntimeError(
-            f"The ranks reached this backward after different numbers of training forwards of "
-            f"the model (this rank {mine}; between {least} and {most} across ranks), so DDP "
-            "would average gradients of different steps: a rank skipped a step the others "
-            "took (`if not torch.isfinite(loss): continue` on one rank), or ran a forward with "
-            "gradients enabled that the others did not (an evaluation without torch.no_grad()). "
-            "Decide a skip on every rank together: `skip = lite.all_reduce(float(not "
-            'torch.isfinite(loss)), op="max") > 0`, then `continue` everywhere; evaluate under '
-            "torch.no_grad(); or run the loop inside "
-            "`with lite.join(model):`."
-        )
+        raise different_forwards(mine, least, most, "DDP would average gradients of different steps")
     return reduced.value()
 
 

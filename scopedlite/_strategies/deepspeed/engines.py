@@ -230,6 +230,7 @@ class EngineRecord:
     Attributes:
         name: How errors name the model: its class and its place in setup order.
         synced_backwards: Backward passes at an accumulation boundary since the last step.
+        place: Its place in setup order (the same on every rank).
     """
 
     engine: Any
@@ -238,6 +239,7 @@ class EngineRecord:
     release: weakref.finalize
     name: str
     synced_backwards: int = field(default=0)
+    place: int = field(default=0)
 
 
 def _release(engine: Any) -> None:
@@ -265,6 +267,7 @@ class Engines:
         )
         place = self._set_up.add_model(face, record)
         record.name = f"{record.name} (model {place} set up in this run)"
+        record.place = place
         self._set_up.at_end(record.release)
         return record
 

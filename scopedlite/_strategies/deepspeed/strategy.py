@@ -34,6 +34,7 @@ from scopedlite._private.deepspeed_internals import is_zero3_partitioned
 from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.deepspeed import checkpoint as _checkpoint
 from scopedlite._strategies.deepspeed.config import ZeroSettings, half_dtype
+from scopedlite._strategies.deepspeed.counted import BackwardCounts
 from scopedlite._strategies.deepspeed.crossing import refuse_stage_0
 from scopedlite._strategies.deepspeed.engines import (
     EngineRecord,
@@ -154,6 +155,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         try:
             super().start(placement, rendezvous)
             self.engines = Engines(self.set_up)  # a view of the run's registry (weak: a dropped model is released)
+            self._counts = BackwardCounts()  # a step skipped on some ranks is refused (counted.py)
             self._owns_group = True
             self._start_deepspeed(placement, rendezvous)
             # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
@@ -288,6 +290,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         record = self.engines.add(model, engine, optimizer)
         if optimizer is not None:
             _route_step_through_engine(optimizer, record, self.set_up)
+            if self.placement.world_size > 1:  # the ranks compare their training forwards at each backward
+                counts, place = self._counts, record.place
+                counts.start()
+                engine.register_forward_pre_hook(lambda *_: counts.forward(place))
         return model, [] if optimizer is None else [optimizer]
 
     def engine(self, model: torch.nn.Module) -> Any:
@@ -363,7 +369,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "`with lite.no_backward_sync(model):` (as under DDP), or call optimizer.step() "
                 "in between."
             )
-        with filtered_warnings():
+        with filtered_warnings(), self._counts.compared(record.place, synced or self.stage >= 2):
             try:
                 engine.backward(loss)
             except RuntimeError as e:
@@ -400,6 +406,15 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 f"{type(module).__name__}. Use `model, opt = lite.setup(model, opt)` first."
             )
         return record
+
+    def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
+        # inside the block the ranks run different numbers of their own forwards on purpose
+        self._counts.pause(True)
+        return super().join(joinables, divide_by_initial_world_size)
+
+    def join_left(self) -> None:
+        super().join_left()
+        self._counts.pause(False)  # every rank leaves here together: the counts start again
 
     def join_models(self) -> list[torch.nn.Module]:
         return self._engines

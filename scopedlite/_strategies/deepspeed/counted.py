@@ -1,0 +1,88 @@
+"""Every rank reduces the gradients of the same step under DeepSpeed, or all refuse at once.
+
+ZeRO reduces gradients in the backward (stages 0-2, and stage 3 for the parameters it keeps
+whole) with whatever the other ranks send next. A rank that skips a step the others take
+(``if not torch.isfinite(loss): continue`` on one rank, outside ``lite.join``) pairs its next
+backward with their current one: from there every step mixes gradients of different steps,
+silently, and the run hangs at its end, where a collective meets one of another size. As under
+DDP (``ddp/counted.py``), the ranks compare how many training forwards (gradients enabled) of
+the model each ran before the backward: the skipping rank ran one more.
+
+DeepSpeed has no communication hook to carry the comparison, so ``lite.backward`` carries it:
+one all-reduce of four integers (the model's place in setup order and its count, each as
+``[x, -x]`` under MAX), started without waiting before ``engine.backward`` and read after it,
+once the backward's own reductions have brought the ranks together. It travels on a gloo group
+of its own: on DeepSpeed's group its place among the reductions would differ on the rank that
+skipped. Where the counts differ, that ``lite.backward`` raises on every rank, before an
+optimizer step applies the mixed gradients. (``model.backward(loss)``, DeepSpeed's own API, is
+not checked.)
+
+Where a forward gathers parameters (ZeRO-3) a skip usually stalls in the gathers before any
+read; the hang watchdog names that. Inside ``lite.join`` the ranks run different numbers of
+their own forwards on purpose (the join protocol keeps them in step): the comparison pauses
+there, and the counts start again from zero on every rank when the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scopedlite._strategies.skipped_step import different_forwards
+from scopedlite._strategies.user_model import method_running
+
+__all__ = ["BackwardCounts"]
+
+
+class BackwardCounts:
+    """The training forwards of a run's DeepSpeed models, compared at every ``lite.backward``."""
+
+    def __init__(self) -> None:
+        self.group: Any = None  # made with the first model set up to train (every rank sets it up)
+        self.forwards: dict[int, int] = {}  # model's place in setup order -> training forwards
+        self.paused = False  # inside lite.join
+
+    def start(self) -> None:
+        """A model is set up to train: the comparison gets its group (a collective)."""
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+
+    def forward(self, place: int) -> None:
+        """Model ``place`` runs a forward (one of the user's methods run through it is none)."""
+        if torch.is_grad_enabled() and not method_running():
+            self.forwards[place] = self.forwards.get(place, 0) + 1
+
+    @contextlib.contextmanager
+    def compared(self, place: int, reduces: bool) -> Iterator[None]:
+        """Around ``engine.backward`` of model ``place``: the ranks' counts are compared while it
+        runs, and the block raises on every rank where they differ. ``reduces``: whether this
+        backward reduces gradients (not inside an accumulation window at stages 0-1, where
+        nothing can pair wrongly, and the window's last backward compares)."""
+        if self.paused or self.group is None or not reduces:
+            yield
+            return
+        mine = self.forwards.get(place, 0)
+        extremes = torch.tensor([place, -place, mine, -mine], dtype=torch.int64)  # becomes [most, -least] of each
+        work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        yield  # an error of the backward is raised as it is, the comparison left unread
+        work.wait()  # a peer gone: its error, as DeepSpeed's own reduction would raise
+        most_place, least_place, most, least = (int(v) for v in extremes * torch.tensor([1, -1, 1, -1]))
+        if most_place != least_place:
+            raise RuntimeError(
+                "The ranks ran lite.backward on different models here (setup places "
+                f"{least_place} to {most_place}), so DeepSpeed would reduce gradients of different "
+                "models together: a rank skipped a backward the others ran. Decide a skip on every "
+                'rank together: `skip = lite.all_reduce(float(not torch.isfinite(loss)), op="max") '
+                "> 0`, then `continue` everywhere; or run the loop inside `with lite.join(model):`."
+            )
+        if most != least:
+            raise different_forwards(mine, least, most, "DeepSpeed would reduce gradients of different steps")
+
+    def pause(self, paused: bool) -> None:
+        """Entering (True) or leaving (False, every rank together) a ``lite.join`` block."""
+        self.paused = paused
+        self.forwards.clear()
