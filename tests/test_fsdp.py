@@ -334,3 +334,20 @@ def test_hsdp_replicate_degree_is_validated():
     assert hsdp_shape("auto", 4, per_node=4) == (1, 4)  # one node: plain FSDP
     with pytest.raises(ValueError, match=r"replicate_degree='auto'.*6 processes.*nodes of 4"):
         hsdp_shape("auto", 6, per_node=4)
+
+
+@pytest.mark.timeout(130)
+def test_a_state_dict_saved_by_rank_zero_alone_is_refused_where_it_would_load_another_ranks_shard(script):
+    """`if rank == 0: torch.save(model.state_dict(), path)`, then every rank loads the file:
+    rank 1 refuses (before: rank 0's shard silently in rank 1's place, the parameters wrong on
+    every rank), naming lite.save; rank 0 loads its own shard. One file per rank, each loading
+    its own, gives back the trained parameters exactly."""
+    result = script("shard_file", timeout=100)
+    assert result.returncode == 0, result.explain()
+    seen = result.json()
+    assert seen[0]["error"] is None
+    assert "the shard another rank held" in seen[1]["error"], seen[1]["error"]
+    assert "lite.save(path, {'model': model})" in seen[1]["error"]
+    for out in seen:
+        assert out["own_files"] == out["trained"]
+        assert out["trained"] == seen[0]["trained"]

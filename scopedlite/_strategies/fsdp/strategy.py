@@ -31,6 +31,7 @@ from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.join import FSDPJoinHook
 from scopedlite._strategies.fsdp.methods import count_depth, gather_for_user_methods
+from scopedlite._strategies.fsdp.shard_files import refuse_other_ranks_shards, tag_shards
 from scopedlite._strategies.fsdp.whole_numbers import whole_numbers
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
@@ -278,6 +279,13 @@ class FSDPStrategy(ProcessGroupStrategy):
         if not self._numbers_whole:  # a number read from a sharded value is its whole value
             self._run_patches.enter_context(whole_numbers(self._ledger))
             self._numbers_whole = True
+
+        # A state dict saved by one rank is loaded there only (shard_files.py).
+        for handle in (
+            module.register_state_dict_post_hook(tag_shards),
+            module.register_load_state_dict_pre_hook(refuse_other_ranks_shards),
+        ):
+            self.set_up.at_end(handle.remove)
 
         # The sharded parameter that replaced each one, for optimizers built on the plain ones.
         after = dict(module.named_parameters(remove_duplicate=False))
