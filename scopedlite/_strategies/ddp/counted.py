@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from scopedlite._strategies.skipped_step import different_forwards
+from scopedlite._strategies.skipped_step import different_forwards, ranges, spread
 
 __all__ = ["ForwardCount", "count_of", "counted_backwards", "use_hook"]
 
@@ -55,7 +55,7 @@ def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
         if not bucket.is_last() or count.paused:
             return reduced
         n = count.forwards
-        extremes = torch.tensor([n, -n], dtype=torch.int64)  # becomes [most, -least] over the ranks
+        extremes = spread(n)
         compared = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
         both = torch.futures.collect_all([reduced, compared.get_future()])
         return both.then(lambda done: _verdict(done, n, extremes, reduced))
@@ -73,7 +73,7 @@ def _verdict(
     # Either exchange failing (a peer gone) completes ``done`` at once with that error, the
     # other maybe still under way: raise it as it is, as DDP's own reduction would.
     done.value()
-    most, least = int(extremes[0]), -int(extremes[1])
+    ((least, most),) = ranges(extremes)
     if most != least:
         raise different_forwards(mine, least, most, "DDP would average gradients of different steps")
     return reduced.value()

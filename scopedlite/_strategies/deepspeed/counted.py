@@ -9,8 +9,8 @@ DDP (``ddp/counted.py``), the ranks compare how many training forwards (gradient
 the model each ran before the backward: the skipping rank ran one more.
 
 DeepSpeed has no communication hook to carry the comparison, so ``lite.backward`` carries it:
-one all-reduce of four integers (the model's place in setup order and its count, each as
-``[x, -x]`` under MAX), started without waiting before ``engine.backward`` and read after it,
+one all-reduce of four integers (the model's place in setup order and its count, as
+``skipped_step.spread`` puts them), started without waiting before ``engine.backward`` and read after it,
 once the backward's own reductions have brought the ranks together. It travels on a gloo group
 of its own: on DeepSpeed's group its place among the reductions would differ on the rank that
 skipped. Where the counts differ, that ``lite.backward`` raises on every rank, before an
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._strategies.skipped_step import different_forwards
+from scopedlite._strategies.skipped_step import different_forwards, different_models, ranges, spread
 from scopedlite._strategies.user_model import method_running
 
 __all__ = ["BackwardCounts"]
@@ -66,21 +66,15 @@ class BackwardCounts:
             yield
             return
         mine = self.forwards.get(place, 0)
-        extremes = torch.tensor([place, -place, mine, -mine], dtype=torch.int64)  # becomes [most, -least] of each
+        extremes = spread(place, mine)
         work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         yield  # an error of the backward is raised as it is, the comparison left unread
         work.wait()  # a peer gone: its error, as DeepSpeed's own reduction would raise
-        most_place, least_place, most, least = (int(v) for v in extremes * torch.tensor([1, -1, 1, -1]))
-        if most_place != least_place:
-            raise RuntimeError(
-                "The ranks ran lite.backward on different models here (setup places "
-                f"{least_place} to {most_place}), so DeepSpeed would reduce gradients of different "
-                "models together: a rank skipped a backward the others ran. Decide a skip on every "
-                'rank together: `skip = lite.all_reduce(float(not torch.isfinite(loss)), op="max") '
-                "> 0`, then `continue` everywhere; or run the loop inside `with lite.join(model):`."
-            )
-        if most != least:
-            raise different_forwards(mine, least, most, "DeepSpeed would reduce gradients of different steps")
+        places, counts = ranges(extremes)
+        if places[0] != places[1]:
+            raise different_models(*places)
+        if counts[0] != counts[1]:
+            raise different_forwards(mine, *counts, "DeepSpeed would reduce gradients of different steps")
 
     def pause(self, paused: bool) -> None:
         """Entering (True) or leaving (False, every rank together) a ``lite.join`` block."""
