@@ -345,9 +345,17 @@ def test_a_state_dict_saved_by_rank_zero_alone_is_refused_where_it_would_load_an
     result = script("shard_file", timeout=100)
     assert result.returncode == 0, result.explain()
     seen = result.json()
-    assert seen[0]["error"] is None
-    assert "the shard another rank held" in seen[1]["error"], seen[1]["error"]
-    assert "lite.save(path, {'model': model})" in seen[1]["error"]
+    assert seen[0]["errors"] == {"model": None, "optimizer": None}
+    model_error, optimizer_error = seen[1]["errors"]["model"], seen[1]["errors"]["optimizer"]
+    assert "the shard another rank held" in model_error, model_error
+    assert "lite.save(path, {'model': model})" in model_error
+    assert optimizer_error.startswith("optimizer.load_state_dict got 'exp_avg' of parameter 0 as the shard"), (
+        optimizer_error
+    )
+    assert "lite.save(path, {'model': model, 'optimizer': optimizer})" in optimizer_error
     for out in seen:
         assert out["own_files"] == out["trained"]
         assert out["trained"] == seen[0]["trained"]
+        assert out["own_moments"] == out["trained_moments"] == seen[0]["trained_moments"]
+        assert any(v != 0.0 for m in out["trained_moments"] for v in m)  # a test that can fail
+        assert not out["live_marked"]  # the optimizer's own tensors carry nothing of ours

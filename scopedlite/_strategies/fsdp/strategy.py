@@ -31,7 +31,12 @@ from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.join import FSDPJoinHook
 from scopedlite._strategies.fsdp.methods import count_depth, gather_for_user_methods
-from scopedlite._strategies.fsdp.shard_files import refuse_other_ranks_shards, tag_shards
+from scopedlite._strategies.fsdp.shard_files import (
+    refuse_other_ranks_optimizer_shards,
+    refuse_other_ranks_shards,
+    tag_optimizer_shards,
+    tag_shards,
+)
 from scopedlite._strategies.fsdp.whole_numbers import whole_numbers
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
@@ -350,6 +355,12 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
         for params, position, new in swaps:
             params[position] = new
+        # A state dict saved by one rank is loaded there only (shard_files.py).
+        for handle in (
+            optimizer.register_state_dict_post_hook(tag_optimizer_shards),
+            optimizer.register_load_state_dict_pre_hook(refuse_other_ranks_optimizer_shards),
+        ):
+            self.set_up.at_end(handle.remove)
         self.set_up.add_optimizer(optimizer)
         return optimizer
 
