@@ -91,7 +91,8 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):
     optimizer step averages gradients of different steps (before: silently averaged, then
     gloo aborted the process). A user's communication hook still reduces the buckets, with
     the values of plain torch; rank 0 evaluating alone under no_grad and an uneven join block
-    refuse nothing."""
+    refuse nothing. A join block that every rank leaves by a refusal (caught) restarts the
+    counts too (before: the check stayed off, and the skip went unrefused)."""
     result = script("skipped_step")
     assert result.returncode == 0, result.explain()
     seen = result.json()
@@ -99,6 +100,8 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):
         assert out["hook_calls"] >= 4, out["hook_calls"]  # the user's hook reduced every step
         assert_close(out["hooked"], out["reference"], 1e-5, f"rank {rank} params")
         assert out["after_join"]
+        # refused inside a join block on every rank, caught: the check of outside it goes on
+        assert "announced different steps" in out["join_refused"], out["join_refused"]
         assert "different numbers of training forwards" in out["error"], out["error"]
         assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
         assert out["after"] == 3.0  # the next collective pairs

@@ -327,13 +327,16 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
     engine steps with gradients reduced across different steps (before: the ranks went on
     silently with mixed gradients and hung at the next collective of another size); the
     next collective pairs. Even steps train as plain torch does, with rank 0
-    evaluating alone under no_grad in between, and an uneven join block restarts the counts."""
+    evaluating alone under no_grad in between, and an uneven join block restarts the counts,
+    as does one that every rank leaves by a refusal (caught)."""
     result = script("skipped_step", strategy, timeout=RUN_S)
     assert result.returncode == 0, result.explain()
     seen = result.json()
     for rank, out in enumerate(seen):
         assert_close(out["hooked"], out["reference"], 1e-5, f"rank {rank} params")
         assert out["after_join"]
+        # refused inside a join block on every rank, caught: the check of outside it goes on
+        assert "announced different steps" in out["join_refused"], out["join_refused"]
         assert "different numbers of training forwards" in out["error"], out["error"]
         assert "DeepSpeed would reduce gradients of different steps" in out["error"], out["error"]
         assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]

@@ -9,6 +9,10 @@ in one launch of 2 ranks (argv: strategy, default ddp):
   (registered after lite.setup) reduces the buckets; rank 0 alone evaluates under
   torch.no_grad() in between (no refusal; not under ZeRO-3, whose forward gathers);
 - ``after_join``: an uneven lite.join block, then even steps (the counts start again);
+- ``join_refused``: inside a lite.join block the ranks call different collectives (rank 0
+  logs a sum where rank 1 takes a max); every rank is refused there at once and catches it;
+  the counts start again there too (before, the check stayed off for the rest of the run, and
+  the ``skip`` below went unrefused: gloo aborted the process);
 - ``skip``: rank 1 skips the backward and step of its 4th batch: every rank raises at the
   next backward it runs (rank 0 at its 4th, rank 1 at its 5th), naming the fix; the next
   collective pairs.
@@ -75,6 +79,20 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
     for x in batches(rank, 2):
         step(model, opt, x)
     out["after_join"] = True
+
+    try:
+        with lite.join(model):
+            for i, x in enumerate(batches(rank, 6)):
+                step(model, opt, x)
+                if i == 2 and rank == 0:
+                    lite.all_reduce(torch.ones(1), op="sum")  # refused on every rank at once
+                elif i == 2:
+                    lite.all_reduce(torch.ones(1), op="max")
+        out["join_refused"] = None
+    except RuntimeError as e:
+        out["join_refused"] = str(e)
+    for x in batches(rank, 2):
+        step(model, opt, x)
 
     error, at = None, None
     try:

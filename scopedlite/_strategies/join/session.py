@@ -246,7 +246,12 @@ class JoinSession:
                 and not isinstance(exc, PeerLeftJoinError)
                 and not self._refused
             ):
-                self._abort_round()
+                if self._abort_round():
+                    self.strategy.join_left()  # every rank reads the ABORT in the same round
+            elif self._refused or isinstance(exc, PeerLeftJoinError):
+                # Every rank raised from the same round: they leave in step, and a script
+                # that catches the error goes on with the checks of outside the block.
+                self.strategy.join_left()
         finally:
             self._drop_posted()
             self._unanswered.clear()
@@ -288,25 +293,26 @@ class JoinSession:
             first = False
         self.hook.finish(round_.authoritative())
 
-    def _abort_round(self) -> None:
+    def _abort_round(self) -> bool:
         """Tell the other ranks that this one leaves the block by an exception.
 
         They wait in a round for steps this rank will never announce; were it to catch the
         exception and go on, its next collective would be taken for one of the protocol's.
         One ABORT message makes every rank that reads it raise :class:`PeerLeftJoinError`,
-        all of them in step.
+        all of them in step. Returns whether the ranks are in step (False: the group broke).
         """
         try:
             self._settle()
         except Exception:  # noqa: BLE001 - refused or aborted on every rank in that round: no ABORT needed
-            return
+            return True
         try:
             round_ = self._exchange(Step(Kind.ABORT))
         except Exception:  # noqa: BLE001 - the group is broken already: its own error says so
-            return
+            return False
         # While every rank runs, the others may be in the gradient collectives of a forward this
         # rank ran too (they read this ABORT at their next round): it takes part in them.
         self._answer_posted(round_)
+        return True
 
     # -- rounds --------------------------------------------------------------------------------------
     def _open(self, said: Step) -> tuple[Callable[[], None], torch.Tensor]:
