@@ -71,8 +71,10 @@ try:
             if run.is_global_zero:
                 print(float(sum(p.detach().pow(2).sum() for p in model.parameters())))  # rank 0 alone
             lite.barrier()
-        if mode == "sigterm" and run.is_global_zero:
-            Path(f"{OUT}.ready").touch()  # the test sends SIGTERM now
+        if mode == "sigterm":
+            lite.barrier()  # every rank wrote its pid file (a busy machine may start one late)
+            if run.is_global_zero:
+                Path(f"{OUT}.ready").touch()  # the test sends SIGTERM now
         if mode not in ("backward", "break", "dtensor") and run.global_rank != 1:
             lite.all_reduce(torch.ones(2))  # rank 1 skipped it
 except BaseException as e:  # noqa: BLE001 - report whatever came out
