@@ -328,7 +328,8 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
     silently with mixed gradients and hung at the next collective of another size); the
     next collective pairs. Even steps train as plain torch does, with rank 0
     evaluating alone under no_grad in between, and an uneven join block restarts the counts,
-    as does one that every rank leaves by a refusal (caught)."""
+    as does one that every rank leaves by a refusal (caught). The same with DeepSpeed's own
+    model.backward(loss) and model.step()."""
     result = script("skipped_step", strategy, timeout=RUN_S)
     assert result.returncode == 0, result.explain()
     seen = result.json()
@@ -342,3 +343,8 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
         assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
         assert out["after"] == 3.0
     assert [out["at"] for out in seen] == [3, 4]
+    for rank, out in enumerate(seen):  # DeepSpeed's own model.backward / model.step
+        assert_close(out["native"], out["native_reference"], 1e-5, f"rank {rank} params (model.backward)")
+        assert "different numbers of training forwards" in out["native_error"], out["native_error"]
+        assert out["native_after"] == 3.0
+    assert [out["native_at"] for out in seen] == [3, 4]

@@ -13,15 +13,17 @@ up again in a later launch block is rerouted from its own step, not from a rerou
 
 from __future__ import annotations
 
+import contextlib
 import types
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 
 from scopedlite._strategies.set_up import SetUpObjects
 
-__all__ = ["replace_method", "reroute_step"]
+__all__ = ["StepRoute", "replace_method", "reroute_step"]
 
 
 def replace_method(
@@ -55,9 +57,27 @@ def replace_method(
 _NONE = object()  # the instance had no attribute of that name (its class's method applied)
 
 
+class StepRoute:
+    """Whether the step that took over an optimizer's ``step()`` is running: while it is, a
+    call of ``optimizer.step()`` (the scaler's, the engine's own) reaches the real step."""
+
+    def __init__(self) -> None:
+        self.inside = False
+
+    @contextlib.contextmanager
+    def taking(self) -> Iterator[None]:
+        """Around a step taken by the scaler or engine itself, from any door (DeepSpeed's
+        ``model.step()`` as well as the rerouted ``optimizer.step()``)."""
+        before, self.inside = self.inside, True
+        try:
+            yield
+        finally:
+            self.inside = before
+
+
 def reroute_step(
     optimizer: torch.optim.Optimizer, take_step: Callable[[], Any], closure_error: str, set_up: SetUpObjects
-) -> Callable[[], bool]:
+) -> StepRoute:
     """Make ``optimizer.step()`` call ``take_step()`` instead, for the run of ``set_up``.
 
     Args:
@@ -69,21 +89,19 @@ def reroute_step(
         set_up: The run's registry, which undoes the reroute when the run ends.
 
     Returns:
-        A function telling whether ``take_step`` is running (for other rerouted methods).
+        The route: whether a step is being taken (for other rerouted methods), and how to take
+        one from elsewhere.
     """
     original_step = optimizer.step
-    inside = [False]
+    route = StepRoute()
 
     def step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
-        if inside[0]:
+        if route.inside:
             return original_step() if closure is None else original_step(closure)
         if closure is not None:
             raise ValueError(closure_error)
-        inside[0] = True
-        try:
+        with route.taking():
             return take_step()
-        finally:
-            inside[0] = False
 
     replace_method(optimizer, "step", step, set_up)
-    return lambda: inside[0]
+    return route

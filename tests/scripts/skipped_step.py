@@ -16,6 +16,9 @@ in one launch of 2 ranks (argv: strategy, default ddp):
 - ``skip``: rank 1 skips the backward and step of its 4th batch: every rank raises at the
   next backward it runs (rank 0 at its 4th, rank 1 at its 5th), naming the fix; the next
   collective pairs.
+- ``native`` (DeepSpeed): the same with DeepSpeed's own ``model.backward(loss)`` and
+  ``model.step()``, after three even steps that equal plain torch's (before, unchecked: the
+  skip went on silently with mixed gradients).
 """
 
 import sys
@@ -108,6 +111,27 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
         error = str(e)
     out.update(error=error, at=at)
     out["after"] = float(lite.all_reduce(torch.tensor(float(rank + 1)), op="sum"))
+
+    if strategy.startswith("deepspeed"):  # DeepSpeed's own calls: model.backward, model.step
+        net = make_model()
+        model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+        for x in batches(rank, 3):
+            model.backward(model(x).pow(2).mean())
+            model.step()
+        out["native"] = params(model)
+        out["native_reference"] = reference(3)
+        out["native_error"], out["native_at"] = None, None
+        try:
+            for i, x in enumerate(batches(rank, 6)):
+                loss = model(x).pow(2).mean()
+                if rank == 1 and i == 3:
+                    continue
+                out["native_at"] = i
+                model.backward(loss)
+                model.step()
+        except RuntimeError as e:
+            out["native_error"] = str(e)
+        out["native_after"] = float(lite.all_reduce(torch.tensor(float(rank + 1)), op="sum"))
     seen = from_every_rank(out)
     if run.is_global_zero:
         write(seen)

@@ -13,7 +13,8 @@ gradients and the clipping. What DDP users write must keep working:
   ``safe_update_full_grad_vectorized``, public API);
 - the set-up model is the user's model (:class:`EngineView`): the names of the user's module
   (``model.config``, ``model.generate``, any attribute, even one the engine also has) are the
-  user's; every other name is the engine's;
+  user's; every other name is the engine's, except DeepSpeed's own ``model.backward(loss)``
+  and ``model.step()``, which are ``lite.backward(loss)`` and ``optimizer.step()``;
 - a model the user drops is released. DeepSpeed's gradient hooks live on the parameters, in
   C++, and point back at the engine: an engine is never garbage, so its drop cannot be seen
   on it. The user is therefore handed a *second face* of the engine (:func:`user_facing`),
@@ -35,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,9 +71,10 @@ class EngineView(UserModelView):
     back.
     """
 
-    # The engine object itself, and the Nesting of ZeRO-3's methods (None: they gather on one
-    # rank, or not at all): slots, outside the __dict__ the face shares with the engine.
-    __slots__ = ("_lite_engine", "_lite_face_nesting")
+    # The engine object itself, the Nesting of ZeRO-3's methods (None: they gather on one
+    # rank, or not at all), the strategy's checked backward and the optimizer's step (None:
+    # no optimizer): slots, outside the __dict__ the face shares with the engine.
+    __slots__ = ("_lite_engine", "_lite_face_backward", "_lite_face_nesting", "_lite_face_step")
 
     def __getattribute__(self, name: str) -> Any:
         if name in _FACE_NAMES or (name.startswith("__") and name.endswith("__")):
@@ -153,6 +155,22 @@ class EngineView(UserModelView):
     def _lite_nesting(self) -> Nesting | None:
         return object.__getattribute__(self, "_lite_face_nesting")  # type: ignore[no-any-return]
 
+    # DeepSpeed's own model.backward and model.step are properties: data descriptors, found
+    # before an attribute of the shared __dict__ (lite.join announces the engine's calls there)
+    @property
+    def backward(self) -> Callable[..., Any]:
+        """DeepSpeed's own ``model.backward(loss)`` runs as ``lite.backward(loss)`` does, with
+        its checks (a step skipped on one rank is refused, not reduced with another step's);
+        with DeepSpeed's extra arguments (``retain_graph=True``) it is the engine's, unchecked."""
+        return functools.partial(_checked_backward, self)
+
+    @property
+    def step(self) -> Callable[..., Any]:
+        """DeepSpeed's own ``model.step()`` is ``optimizer.step()``: the engine's step, whose
+        call into the user's optimizer reaches its real step."""
+        step = object.__getattribute__(self, "_lite_face_step")
+        return step if step is not None else object.__getattribute__(self, "_lite_engine").step
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The engine's class's forward, quiet: ZeRO-3 gathers parameters inside it. (A
         forward set on the instance for a while, as ``lite.join`` sets one, lands in the
@@ -171,6 +189,15 @@ class EngineView(UserModelView):
 _FACE_NAMES = frozenset(
     name for klass in (EngineView, UserModelView) for name in vars(klass) if name not in ("__getattr__",)
 ) | {"_lite_engine"}
+
+
+def _checked_backward(face: Any, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if args or kwargs:
+        engine = object.__getattribute__(face, "_lite_engine")
+        with filtered_warnings():
+            return engine.backward(loss, *args, **kwargs)
+    object.__getattribute__(face, "_lite_face_backward")(loss, face)
+    return loss  # as DeepSpeed's returns it
 
 
 def _partitioned(face: Any) -> bool:
@@ -207,18 +234,27 @@ def _gathered_state(inner: torch.nn.Module) -> dict[str, Any]:
     return state
 
 
-def user_facing(engine: Any, nesting: Nesting | None = None) -> Any:
+def user_facing(
+    engine: Any,
+    backward: Callable[[torch.Tensor, Any], None],
+    step: Callable[..., Any] | None,
+    nesting: Nesting | None = None,
+) -> Any:
     """The object ``lite.setup`` returns for ``engine`` (see the module docstring).
 
     It is an instance of a subclass of the engine's class with :class:`EngineView` mixed in,
     sharing the engine's ``__dict__``: every hook and attribute is the engine's, so DeepSpeed
     and ``isinstance(model, DeepSpeedEngine)`` see no difference, but it is a different
-    object, held only by the user. ``nesting``: where the user's methods are counted when
-    they gather over several ranks (ZeRO-3).
+    object, held only by the user. ``backward(loss, face)``: the strategy's checked backward,
+    which ``model.backward(loss)`` runs; ``step``: what ``model.step()`` runs (the set-up
+    optimizer's step; None: the engine's). ``nesting``: where the user's methods are counted
+    when they gather over several ranks (ZeRO-3).
     """
     face = object.__new__(view_class(type(engine), EngineView, "SetUpDeepSpeedEngine"))
     object.__setattr__(face, "__dict__", engine.__dict__)
     object.__setattr__(face, "_lite_engine", engine)
+    object.__setattr__(face, "_lite_face_backward", backward)
+    object.__setattr__(face, "_lite_face_step", step)
     object.__setattr__(face, "_lite_face_nesting", nesting)
     return face
 
@@ -229,7 +265,9 @@ class EngineRecord:
 
     Attributes:
         name: How errors name the model: its class and its place in setup order.
-        synced_backwards: Backward passes at an accumulation boundary since the last step.
+        synced_at: The engine's ``global_steps`` at its last backward at an accumulation
+            boundary (None: none yet): a backward at a boundary while it is still the same
+            has not been stepped (by ``optimizer.step()`` or DeepSpeed's own ``model.step()``).
         place: Its place in setup order (the same on every rank).
     """
 
@@ -238,7 +276,7 @@ class EngineRecord:
     parameter_ids: frozenset[int]
     release: weakref.finalize
     name: str
-    synced_backwards: int = field(default=0)
+    synced_at: int | None = field(default=None)
     place: int = field(default=0)
 
 

@@ -54,7 +54,10 @@ class DeepSpeedJoinHook(JoinHook):
     def install(self, session: JoinSession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, engine in enumerate(self.models):
-            forward, backward, step = engine.forward, engine.backward, engine.step
+            # the face's forward (quiet); the engine's own backward and step (the face's run
+            # the strategy's checked backward and the optimizer's step, which call these)
+            own = self.strategy.engine(engine)
+            forward, backward, step = engine.forward, own.backward, own.step
 
             def announced_forward(*args: Any, index: int = index, forward: Any = forward, **kwargs: Any) -> Any:
                 session.before_forward(index, args, kwargs)
@@ -90,7 +93,7 @@ class DeepSpeedJoinHook(JoinHook):
         engine = self.models[index]
         zero = sum((t.float() * 0).sum() for t in outputs)
         with filtered_warnings(), accumulating(engine) if not sync else contextlib.nullcontext():
-            engine.backward(zero)
+            self.strategy.engine(engine).backward(zero)  # the engine's own: a replay, not checked
 
     def step(self, index: int) -> None:
         # Through the user's optimizer, as on the active ranks: its step is rerouted to the

@@ -22,7 +22,7 @@ import contextlib
 import copy
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import torch
@@ -285,15 +285,16 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             nesting = Nesting(self._ledger, engine.module)
             engine.register_forward_pre_hook(nesting.enter, prepend=True)
             engine.register_forward_hook(nesting.leave, always_call=True)
+        # optimizer.step() and DeepSpeed's own model.step() take the engine's step
+        step = _route_step_through_engine(optimizer, engine, self.set_up) if optimizer is not None else None
         # What the user gets is the user's model (engines.py), released when dropped.
-        model = user_facing(engine, nesting)
+        model = user_facing(engine, self.backward_model, step, nesting)
         record = self.engines.add(model, engine, optimizer)
-        if optimizer is not None:
-            _route_step_through_engine(optimizer, record, self.set_up)
-            if self.placement.world_size > 1:  # the ranks compare their training forwards at each backward
-                counts, place = self._counts, record.place
-                counts.start()
-                engine.register_forward_pre_hook(lambda *_: counts.forward(place))
+        if optimizer is not None and self.placement.world_size > 1:
+            # the ranks compare their training forwards at each backward
+            counts, place = self._counts, record.place
+            counts.start()
+            engine.register_forward_pre_hook(lambda *_: counts.forward(place))
         return model, [] if optimizer is None else [optimizer]
 
     def engine(self, model: torch.nn.Module) -> Any:
@@ -360,7 +361,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         record = self.engines.for_backward(loss, model, self.deepspeed.DeepSpeedEngine, self.stage)
         engine = record.engine
         synced = engine.is_gradient_accumulation_boundary()
-        if synced and self.stage < 3 and engine.gradient_accumulation_steps() == 1 and record.synced_backwards:
+        unstepped = record.synced_at == engine.global_steps
+        if synced and self.stage < 3 and engine.gradient_accumulation_steps() == 1 and unstepped:
             # ZeRO 1/2 replace, not add, the gradients of an earlier backward at a boundary.
             raise RuntimeError(
                 "lite.backward was called twice before optimizer.step() under strategy="
@@ -378,7 +380,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                     raise refuse_stage_0(record.name) from e
                 raise
         if synced:
-            record.synced_backwards += 1
+            record.synced_at = engine.global_steps
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> ContextManager[Any]:
         """Accumulate: backward passes inside add to the gradients and the next one outside
@@ -458,22 +460,24 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             _checkpoint.load_engine_optimizer(self.engine(model), optimizer, entry)
 
 
-def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineRecord, set_up: SetUpObjects) -> None:
+def _route_step_through_engine(
+    optimizer: torch.optim.Optimizer, engine: Any, set_up: SetUpObjects
+) -> Callable[..., Any]:
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
 
     Rerouted on the instance for the run (see ``reroute.py``), so the optimizer keeps its class
-    and LR schedulers built on it keep working.
+    and LR schedulers built on it keep working. Returns what DeepSpeed's own ``model.step()``
+    runs: ``engine.step()`` marked as the engine's, so that its call into the optimizer reaches
+    the real step there too (before, it was rerouted back into a second ``engine.step()``).
     """
     original_zero_grad = optimizer.zero_grad
-    engine = record.engine
 
-    def engine_step() -> None:
+    def engine_step(*args: Any, **kwargs: Any) -> Any:
         with filtered_warnings():
-            engine.step()
-        record.synced_backwards = 0
+            return engine.step(*args, **kwargs)
 
-    inside_engine = reroute_step(
+    route = reroute_step(
         optimizer,
         engine_step,
         "optimizer.step(closure) cannot be used under strategy='deepspeed': the engine steps "
@@ -484,10 +488,16 @@ def _route_step_through_engine(optimizer: torch.optim.Optimizer, record: EngineR
     def zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         # The engine zeroes its (partitioned) gradients itself after each step it takes; with
         # gradient accumulation a user's zero_grad between micro-batches must not erase them.
-        if inside_engine():
+        if route.inside:
             original_zero_grad(set_to_none=set_to_none)
 
     replace_method(optimizer, "zero_grad", zero_grad, set_up)
+
+    def model_step(*args: Any, **kwargs: Any) -> Any:
+        with route.taking():
+            return engine_step(*args, **kwargs)
+
+    return model_step
 
 
 def _input_caster(dtype: torch.dtype) -> Any:
