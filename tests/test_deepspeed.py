@@ -348,3 +348,44 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
         assert "different numbers of training forwards" in out["native_error"], out["native_error"]
         assert out["native_after"] == 3.0
     assert [out["native_at"] for out in seen] == [3, 4]
+
+
+def _clipped_reference(clip):
+    """Plain torch, one process, on deepspeed_torch_clip.py's data: each step the mean of the
+    two ranks' losses, then ``clip``."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generators = [torch.Generator().manual_seed(20 + r) for r in (0, 1)]
+    data, returned = [[torch.randn(4, 4, generator=g) * 3 for _ in range(3)] for g in generators], []
+    for step in range(3):
+        (sum(model(data[r][step]).pow(2).mean() for r in (0, 1)) / 2).backward()
+        returned.append(clip(model))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().flatten().tolist() for p in model.parameters()], returned
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed_op
+@pytest.mark.timeout(RUN_S + 30)
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"])
+def test_torch_clip_grad_norm_on_a_deepspeed_model_clips_the_engines_gradients(script, strategy):
+    """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` after lite.backward, as a
+    DDP script (nanoGPT) writes it: under DeepSpeed every .grad is None, so torch clipped
+    nothing and returned 0.0, silently. It now clips the engine's full gradients: the returned
+    norms and the parameters equal plain torch's, for clip_grad_value_ too. Part of the
+    parameters is refused, and so is the call inside lite.join (on every rank at once)."""
+    result = script("deepspeed_torch_clip", strategy, timeout=RUN_S)
+    assert result.returncode == 0, result.explain()
+    seen = result.json()
+    expected, norms = _clipped_reference(lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+    assert all(n > 0.05 for n in norms)  # every step clips: a test that can fail
+    by_value, _ = _clipped_reference(lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01))
+    for rank, out in enumerate(seen):
+        assert_close(out["norm"]["params"], expected, 1e-5, f"rank {rank} params (clip_grad_norm_)")
+        assert_close(out["norm"]["returned"], norms, 1e-5, f"rank {rank} returned norms")
+        assert_close(out["value"]["params"], by_value, 1e-5, f"rank {rank} params (clip_grad_value_)")
+        assert out["value"]["returned"] == [None, None, None]
+        assert "but not all it trains" in out["part"], out["part"]
+        assert "lite.clip_gradients(model, optimizer, max_norm=...)" in out["join"], out["join"]
+        assert out["after"] == 3.0

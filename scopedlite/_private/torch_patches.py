@@ -5,7 +5,10 @@ torch 2.9-2.13). Two uses, each for a bounded time, each undone when it ends:
   as a sharded run (``fsdp``, ``model_parallel``) is active, on ``DTensor``'s ways of becoming
   a Python number (``item``, ``__float__``, ...): torch reads a DTensor that is only this
   rank's part (a norm of sharded parameters) as that part, silently, and has no hook for
-  such a read, so ``fsdp/whole_numbers.py`` reads the whole value there instead;
+  such a read, so ``fsdp/whole_numbers.py`` reads the whole value there instead; and, for as
+  long as a DeepSpeed run is active, on ``torch.nn.utils.clip_grad_norm_`` and
+  ``clip_grad_value_``: the engine holds the gradients (every ``.grad`` is None), so torch
+  would clip nothing, silently, and ``deepspeed/torch_clipping.py`` clips the engine's;
 - :func:`noting_created`, for as long as a run is active: every new instance of some classes
   is handed to the run once it is built (LR schedulers: see the function).
 

@@ -312,6 +312,10 @@ class Engines:
     def alive(self) -> list[Any]:
         return self._set_up.models()
 
+    def records(self) -> list[EngineRecord]:
+        """The records of the engines alive, in setup order."""
+        return [self._record_of(face) for face in self.alive()]
+
     def record(self, face: Any) -> EngineRecord | None:
         record = self._set_up.record(face)
         return record if isinstance(record, EngineRecord) else None

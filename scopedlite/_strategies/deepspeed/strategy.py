@@ -51,6 +51,7 @@ from scopedlite._strategies.deepspeed.logs import (
     filtered_warnings,
     quiet_deepspeed,
 )
+from scopedlite._strategies.deepspeed.torch_clipping import torch_clipping
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.reroute import replace_method, reroute_step
@@ -155,6 +156,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         try:
             super().start(placement, rendezvous)
             self.engines = Engines(self.set_up)  # a view of the run's registry (weak: a dropped model is released)
+            # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips the engine's gradients
+            clipping = contextlib.ExitStack()
+            clipping.enter_context(torch_clipping(self.engines.records))
+            self.set_up.at_end(clipping.close)
             self._counts = BackwardCounts()  # a step skipped on some ranks is refused (counted.py)
             self._owns_group = True
             self._start_deepspeed(placement, rendezvous)
