@@ -18,7 +18,7 @@ import torch
 import scopedlite as lite
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, make_data, make_model, max_diff, reference_training
+from _common import assert_close, check_save_on_some_ranks, make_data, make_model, max_diff, reference_training
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -389,3 +389,14 @@ def test_torch_clip_grad_norm_on_a_deepspeed_model_clips_the_engines_gradients(s
         assert "but not all it trains" in out["part"], out["part"]
         assert "lite.clip_gradients(model, optimizer, max_norm=...)" in out["join"], out["join"]
         assert out["after"] == 3.0
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed_op
+@pytest.mark.timeout(RUN_S + 30)
+def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once_at_stage_3(script):
+    """As under fsdp (test_fsdp.py): at stage 3 every rank writes its part of the folder, and
+    rank 0 alone is refused at once, before any collective; the ranks stay in step."""
+    result = script("save_on_some_ranks", "deepspeed_stage_3", timeout=RUN_S)
+    assert result.returncode == 0, result.explain()
+    check_save_on_some_ranks(result.json())

@@ -19,7 +19,7 @@ import scopedlite as lite
 from scopedlite._strategies.fsdp.hybrid import hsdp_shape
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, max_diff
+from _common import assert_close, check_save_on_some_ranks, max_diff
 from _fsdp_common import (
     JOIN_BATCH,
     JOIN_BATCHES,
@@ -359,3 +359,15 @@ def test_a_state_dict_saved_by_rank_zero_alone_is_refused_where_it_would_load_an
         assert out["own_moments"] == out["trained_moments"] == seen[0]["trained_moments"]
         assert any(v != 0.0 for m in out["trained_moments"] for v in m)  # a test that can fail
         assert not out["live_marked"]  # the optimizer's own tensors carry nothing of ours
+
+
+@pytest.mark.timeout(130)
+def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script):
+    """`if run.is_global_zero: lite.save(path, state)` (and lite.load), the DDP habit: under
+    fsdp every rank writes its part, so rank 0's first collective met rank 1's next forward
+    and the run waited for the watchdog. Now rank 0 is refused at once, before any
+    collective, naming the fix; it catches it and the ranks stay in step (training equals
+    plain torch's), and a save and load on every rank round-trip."""
+    result = script("save_on_some_ranks", "fsdp", timeout=100)
+    assert result.returncode == 0, result.explain()
+    check_save_on_some_ranks(result.json())

@@ -34,6 +34,8 @@ def check_same_path(path: str | os.PathLike[str], caller: str) -> None:
     """Refuse, on every rank at once, a ``path`` that is not the same on every rank.
 
     A collective (every rank calls ``lite.save`` and ``lite.load``); nothing on one process.
+    Where the strategy can tell (fsdp, model_parallel, ZeRO-3), a call on some ranks only is
+    refused first, on the ranks that make it.
 
     Args:
         path: What this rank passed.
@@ -44,6 +46,8 @@ def check_same_path(path: str | os.PathLike[str], caller: str) -> None:
         return
     mine = os.path.abspath(os.fsdecode(path))
     session = active_session(run)
+    if session is None:  # inside lite.join the session keeps the ranks' steps in order
+        run.strategy.every_rank_calls(caller)
     target: Any = session if session is not None else run.strategy
     # 62 bits, so that the negation of every digest is an int64 too
     digest = int.from_bytes(hashlib.blake2b(mine.encode(), digest_size=8).digest(), "little") >> 2

@@ -161,6 +161,21 @@ class GatherLedger:
             f"Call it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
         )
 
+    def every_rank_calls(self, call: str) -> None:
+        """``call`` (``"lite.save"``), which every rank makes together, is about to run its
+        first collective: return when every rank makes it too, raise
+        :class:`MethodCalledOnSomeRanksError` when some do not."""
+        callers, seen = self._together(call)
+        if callers is None:
+            return
+        raise MethodCalledOnSomeRanksError(
+            f"{call}() was called on rank(s) {callers} only ({_others(seen, call)}), under "
+            f"strategy={self.strategy!r}: every rank takes part in it (each holds part of the "
+            "model, and writes or reads that part), so alone it would wait for the others' "
+            f"collective, which is their next step's. Call {call} on every rank, not under "
+            f"`if run.is_global_zero:` ({call} itself has rank 0 alone write what is one file)."
+        )
+
     def whole_value(self, call: str) -> None:
         """``call`` (``"float() of a DTensor (_NormPartial(2))"``) is about to read the whole
         value of a tensor each rank holds part of (``fsdp/whole_numbers.py``): return when

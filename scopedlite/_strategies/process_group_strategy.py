@@ -138,6 +138,14 @@ class ProcessGroupStrategy(Strategy):
         if self._ledger is not None:
             self._ledger.realign()
 
+    def every_rank_calls(self, name: str) -> None:
+        """Under fsdp, model_parallel and ZeRO-3 (a gather ledger), ``name`` called on some
+        ranks only (``if run.is_global_zero: lite.save(...)``) raises
+        ``MethodCalledOnSomeRanksError`` there at once: its first collective would meet the
+        others' next forward, and wait until the watchdog or the timeout ends the run."""
+        if self._ledger is not None:
+            self._ledger.every_rank_calls(name)
+
     def note_collective(self) -> None:
         """A rank gathering alone learns from the ledger that this one waits in a collective."""
         if self._ledger is not None:

@@ -178,3 +178,31 @@ def micro_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     x = torch.randn(4, 4, generator=g)
     return x, x.sum(dim=1, keepdim=True)
+
+
+def save_on_some_ranks_reference():
+    """Plain torch, one process, on save_on_some_ranks.py's data: each step the mean of the
+    two ranks' losses (the saves and loads rank 0 tried alone change nothing)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [
+        [torch.randn(4, 4, generator=g) for _ in range(4)]
+        for g in (torch.Generator().manual_seed(30 + r) for r in (0, 1))
+    ]
+    for step in range(4):
+        (sum(model(data[r][step]).pow(2).mean() for r in (0, 1)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def check_save_on_some_ranks(seen):
+    expected = save_on_some_ranks_reference()
+    saved, loaded = seen[0]["refused"]
+    assert saved.startswith("lite.save() was called on rank(s) [0] only (rank 1 went on to the model's forward)"), saved
+    assert loaded.startswith("lite.load() was called on rank(s) [0] only"), loaded
+    assert "Call lite.save on every rank" in saved
+    assert seen[1]["refused"] == []
+    for rank, out in enumerate(seen):
+        assert_close(out["trained"], expected, 1e-5, f"rank {rank} params")
+        assert out["loaded"] == out["trained"], f"rank {rank}: the checkpoint saved by every rank did not load back"
