@@ -149,6 +149,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         self.config = self.build_config(placement.precision.name, placement.accelerator)
+        self._torch_clipping = contextlib.ExitStack()  # undone when the run stops
         self._saved_env: dict[str, str | None] = {}
         self._owns_group = False
         self._deepspeed_comm = False  # deepspeed.comm wraps our group
@@ -157,9 +158,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             super().start(placement, rendezvous)
             self.engines = Engines(self.set_up)  # a view of the run's registry (weak: a dropped model is released)
             # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips the engine's gradients
-            clipping = contextlib.ExitStack()
-            clipping.enter_context(torch_clipping(self.engines.records))
-            self.set_up.at_end(clipping.close)
+            self._torch_clipping.enter_context(torch_clipping(self.engines.records))
             self._counts = BackwardCounts()  # a step skipped on some ranks is refused (counted.py)
             self._owns_group = True
             self._start_deepspeed(placement, rendezvous)
@@ -213,6 +212,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             os.environ[key] = value
 
     def stop(self) -> None:
+        if getattr(self, "_torch_clipping", None) is not None:
+            self._torch_clipping.close()
         if getattr(self, "_ledger", None) is not None:
             self._ledger.close()
         # The run's registry ends first: each engine's hooks and buffers released, each
