@@ -86,7 +86,8 @@ def _clip_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
-    """torch's ``clip_grad_norm_`` arguments, on the engine's full gradients."""
+    """torch's ``clip_grad_norm_`` arguments, on the engine's full gradients (``foreach``,
+    torch's choice of kernel, has nothing to choose here)."""
     total = clip_full_gradients(record.engine, float(max_norm), None, float(norm_type))
     assert total is not None
     if error_if_nonfinite and not torch.isfinite(total):
@@ -108,12 +109,16 @@ def _engine_of(parameters: list[torch.Tensor], records: list[EngineRecord], name
     trainable = {id(p) for p in owners[0].engine.module.parameters() if p.requires_grad}
     if len(owners) == 1 and trainable <= given <= owners[0].parameter_ids:
         return owners[0]
-    names = ", ".join(r.name for r in owners)
+    if len(owners) > 1:
+        what = f"parameters of several models set up in this run ({', '.join(r.name for r in owners)})"
+    elif given <= owners[0].parameter_ids:
+        what = f"parameters of {owners[0].name}, but not all it trains"
+    else:
+        what = f"parameters of {owners[0].name} and others"
     raise ValueError(
-        f"torch.nn.utils.{name} got parameters of {names}"
-        + (" and others" if len(owners) > 1 or not given <= owners[0].parameter_ids else ", but not all it trains")
-        + ": under DeepSpeed the gradients are the engine's (every parameter's .grad is None), "
-        "so torch would clip nothing, and an engine clips its whole model's gradients. Clip each "
+        f"torch.nn.utils.{name} got {what}: under DeepSpeed the gradients are the engine's "
+        "(every parameter's .grad is None), so torch would clip nothing, and an engine clips its "
+        "whole model's gradients. Clip each "
         "model whole: torch.nn.utils."
         f"{name}(model.parameters(), ...), or lite.clip_gradients(model, optimizer, max_norm=...), "
         "or set 'gradient_clipping' in the DeepSpeed config."
