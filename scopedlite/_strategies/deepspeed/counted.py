@@ -14,8 +14,8 @@ one all-reduce of four integers (the model's place in setup order and its count,
 once the backward's own reductions have brought the ranks together. It travels on a gloo group
 of its own: on DeepSpeed's group its place among the reductions would differ on the rank that
 skipped. Where the counts differ, that ``lite.backward`` raises on every rank, before an
-optimizer step applies the mixed gradients. (``model.backward(loss)``, DeepSpeed's own API, is
-not checked.)
+optimizer step applies the mixed gradients. DeepSpeed's own ``model.backward(loss)`` is
+``lite.backward(loss)`` on the set-up model (``engines.EngineView``), so it is checked too.
 
 Where a forward gathers parameters (ZeRO-3) a skip usually stalls in the gathers before any
 read; the hang watchdog names that. Inside ``lite.join`` the ranks run different numbers of
