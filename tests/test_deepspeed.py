@@ -18,7 +18,15 @@ import torch
 import scopedlite as lite
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, check_save_on_some_ranks, make_data, make_model, max_diff, reference_training
+from _common import (
+    assert_close,
+    check_save_on_some_ranks,
+    check_skip_on_gathering,
+    make_data,
+    make_model,
+    max_diff,
+    reference_training,
+)
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(
@@ -329,7 +337,8 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
     next collective pairs. Even steps train as plain torch does, with rank 0
     evaluating alone under no_grad in between, and an uneven join block restarts the counts,
     as does one that every rank leaves by a refusal (caught). The same with DeepSpeed's own
-    model.backward(loss) and model.step()."""
+    model.backward(loss) and model.step(). Not the skip at stage 3, whose forwards gather: the
+    skipping rank's next forward is refused and the run ends (the next test)."""
     result = script("skipped_step", strategy, timeout=RUN_S)
     assert result.returncode == 0, result.explain()
     seen = result.json()
@@ -338,15 +347,17 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
         assert out["after_join"]
         # refused inside a join block on every rank, caught: the check of outside it goes on
         assert "announced different steps" in out["join_refused"], out["join_refused"]
+        assert out["after"] == 3.0
+        assert_close(out["native"], out["native_reference"], 1e-5, f"rank {rank} params (model.backward)")
+        assert out["native_after"] == 3.0
+    if strategy == "deepspeed_stage_3":  # the skip ends the run there: the test after this one
+        return
+    for out in seen:
         assert "different numbers of training forwards" in out["error"], out["error"]
         assert "DeepSpeed would reduce gradients of different steps" in out["error"], out["error"]
         assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
-        assert out["after"] == 3.0
-    assert [out["at"] for out in seen] == [3, 4]
-    for rank, out in enumerate(seen):  # DeepSpeed's own model.backward / model.step
-        assert_close(out["native"], out["native_reference"], 1e-5, f"rank {rank} params (model.backward)")
         assert "different numbers of training forwards" in out["native_error"], out["native_error"]
-        assert out["native_after"] == 3.0
+    assert [out["at"] for out in seen] == [3, 4]
     assert [out["native_at"] for out in seen] == [3, 4]
 
 
@@ -400,3 +411,13 @@ def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once_at_stage_3(scri
     result = script("save_on_some_ranks", "deepspeed_stage_3", timeout=RUN_S)
     assert result.returncode == 0, result.explain()
     check_save_on_some_ranks(result.json())
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed_op
+@pytest.mark.timeout(RUN_S + 30)
+def test_a_backward_skipped_on_one_rank_is_refused_at_its_next_forward_at_stage_3(script):
+    """As under fsdp (test_fsdp.py): at stage 3 a forward gathers, and the forward after a
+    backward skipped on rank 1 is refused at once; the run ends with that refusal."""
+    result = script("skip_on_gathering", "deepspeed_stage_3", timeout=RUN_S)
+    check_skip_on_gathering(result)

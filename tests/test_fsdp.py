@@ -19,7 +19,7 @@ import scopedlite as lite
 from scopedlite._strategies.fsdp.hybrid import hsdp_shape
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, check_save_on_some_ranks, max_diff
+from _common import assert_close, check_save_on_some_ranks, check_skip_on_gathering, max_diff
 from _fsdp_common import (
     JOIN_BATCH,
     JOIN_BATCHES,
@@ -371,3 +371,14 @@ def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script):
     result = script("save_on_some_ranks", "fsdp", timeout=100)
     assert result.returncode == 0, result.explain()
     check_save_on_some_ranks(result.json())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_a_backward_skipped_on_one_rank_is_refused_at_its_next_forward(script, strategy):
+    """Rank 1 skips the backward of a step (`if not torch.isfinite(loss): continue`): its next
+    forward would gather while rank 0's backward reduces, and the run hung until the
+    collective timeout. Now that forward is refused at once, naming rank 0's backward and the
+    fix, and the run ends. Two forwards per backward on every rank, and evaluations on every
+    rank, are not refused and train as plain torch. The same under model_parallel."""
+    result = script("skip_on_gathering", strategy, timeout=100)
+    check_skip_on_gathering(result)

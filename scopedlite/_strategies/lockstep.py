@@ -31,6 +31,18 @@ A training forward (grad enabled, model in ``train()``) only writes: every rank 
 reading there would cost each step a wait on the slowest rank. What the ledger cannot see: a
 rank waiting in a raw ``torch.distributed`` call; the caller then waits, up to the run's
 collective timeout, and raises ``TimeoutError`` naming the ranks that never came.
+
+A step whose backward one rank skipped (``if not torch.isfinite(loss): continue`` on one
+rank) is seen the same way. Each rank also counts its training forwards and its backwards
+(``lite.backward``, outside ``lite.join``) and notes, with each backward, how many forwards
+came before it: the same numbers on every rank of a program that runs the same steps. A
+training forward that follows another with no backward between (a skipped backward, or a
+GAN's second discriminator forward) reads the others' lines and waits until each rank has run
+this forward too, or is found to have started the next backward after fewer forwards: the
+skip. That rank's gathers would meet the other ranks' backward, and the run would hang until
+the watchdog; it is refused there, naming the fix (``skipped_step.py``). The others wait in
+that backward's collectives, so the refusal ends the run. A loop with one forward per
+backward never reads; a script whose backwards are not ``lite.backward`` is not checked.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +58,7 @@ import torch.distributed as dist
 
 from scopedlite._private.torch_internals import default_store
 from scopedlite._strategies.join.members import in_join, refuse_gather_in_join
+from scopedlite._strategies.skipped_step import forward_past_backward
 
 __all__ = [
     "ForwardOnSomeRanksError",
@@ -114,7 +127,11 @@ class GatherLedger:
         # earlier of the two. It cannot have passed a checked step after S without this rank.
         self.checked: tuple[tuple[int, str], tuple[int, str]] = ((0, ""), (0, ""))
         self.collectives = 0  # collectives of ours entered
+        # Training forwards and backwards (lite.backward) outside lite.join, this epoch, and how
+        # many forwards came before the latest backward: what a skipped backward changes.
+        self.forwards = self.backwards = self.forwards_at_backward = 0
         self.ended = False  # the end of the launch block reached
+        self.broken = ""  # a skipped backward's refusal: no later step of this rank goes on
         self.epoch = 0  # lite.join blocks left: each starts the counts again, on every rank
 
     @classmethod
@@ -123,16 +140,23 @@ class GatherLedger:
     ) -> GatherLedger:
         return cls(default_store(), dist.get_rank(), dist.get_world_size(), strategy, hint, full_weights, timeout)
 
-    def forward(self, evaluating: bool = False) -> None:
+    def forward(self, evaluating: bool = False, joined: bool = False) -> None:
         """A forward of a set-up model is about to gather (not one inside a method's call).
 
-        A training forward is only noted. An evaluation forward (``evaluating``: grad disabled
-        or the model in ``eval()``, what a rank alone typically runs) returns when every rank
-        runs one too, and raises :class:`ForwardOnSomeRanksError` when some do not.
+        A training forward is only noted; a second one since this rank's last backward is
+        also checked for a skipped backward (see the module docstring). An evaluation forward
+        (``evaluating``: grad disabled or the model in ``eval()``, what a rank alone typically
+        runs) returns when every rank runs one too, and raises
+        :class:`ForwardOnSomeRanksError` when some do not. Inside ``lite.join`` (``joined``)
+        every forward is only noted.
         """
-        if not evaluating:
+        if not evaluating or joined:
             self.step += 1
+            if not joined:
+                self.forwards += 1
             self._write()
+            if not joined and self.backwards and self.forwards - self.forwards_at_backward > 1:
+                self._check_backward_taken()
             return
         callers, seen = self._together(EVALUATION)
         if callers is None:
@@ -192,6 +216,52 @@ class GatherLedger:
             "on one: `norm = float(p.norm())` everywhere, `if run.is_global_zero: print(norm)`."
         )
 
+    def backward(self) -> None:
+        """This rank starts a backward (``lite.backward``, outside ``lite.join``): noted for the
+        forwards that follow; no read, no wait."""
+        self.backwards += 1
+        self.forwards_at_backward = self.forwards
+        self._write()
+
+    def _check_backward_taken(self) -> None:
+        """This rank runs a second training forward since its last backward: return when
+        every rank runs it too; raise where the ranks' forwards and backwards no longer pair
+        (a rank skipped a backward the others took), or a rank ended its block or waits in a
+        collective of ours (this forward would gather alone). Once raised, every later step of
+        this rank's ledger raises it again: the others wait in their backward's collectives,
+        and a rank that caught it would meet them with its next collective."""
+        seen = self._poll(
+            lambda entry: self._pairing(entry) if entry.epoch == self.epoch else None,
+            "A training forward",
+            "to run it too, or a backward",
+        )
+        elsewhere = {r: done for r, done in seen.items() if done}
+        if elsewhere:
+            error = forward_past_backward(
+                self.forwards, self.forwards - self.forwards_at_backward, elsewhere, self.strategy
+            )
+            self.broken = str(error)
+            raise error
+
+    def _pairing(self, entry: _Entry) -> str | None:
+        """Whether another rank's line (of this epoch) pairs with this rank's current training
+        forward: ``""`` it does (the rank ran it too, before the same backward), what it did
+        instead where it cannot, None while it cannot tell yet."""
+        if entry.backwards == self.backwards + 1 and entry.forwards_at_backward < self.forwards:
+            return f"started its backward {entry.backwards} after {entry.forwards_at_backward} training forwards"
+        if entry.backwards > self.backwards or (entry.backwards == self.backwards and entry.forwards >= self.forwards):
+            return ""
+        if entry.backwards == self.backwards - 1 and entry.forwards > self.forwards_at_backward:
+            return (
+                f"ran {entry.forwards} training forwards without backward {self.backwards}, which this "
+                f"rank started after {self.forwards_at_backward}"
+            )
+        if entry.ended:
+            return _words(_ENDED)
+        if entry.collectives > self.collectives:
+            return _words(_IN_COLLECTIVE)
+        return None
+
     def collective(self) -> None:
         """This rank enters a collective of ours: a rank about to gather alone sees it here
         and knows this one will not come to its gather."""
@@ -206,6 +276,7 @@ class GatherLedger:
         in a new epoch that only entries of the same epoch are compared in."""
         self.epoch += 1
         self.step = self.collectives = 0
+        self.forwards = self.backwards = self.forwards_at_backward = 0
         self.checked = ((0, ""), (0, ""))
         self._write()
 
@@ -242,6 +313,8 @@ class GatherLedger:
         self.store = None
 
     def _write(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"This rank was refused earlier, and the run cannot go on: {self.broken}")
         if self.store is None:
             raise RuntimeError(
                 f"The {self.strategy} run this model was set up in has ended: its parameters can no "
@@ -249,8 +322,8 @@ class GatherLedger:
             )
         (latest, latest_name), (earlier, earlier_name) = self.checked
         entry = (
-            f"{self.epoch}:{self.step}:{self.collectives}:{int(self.ended)}:{latest}:{earlier}:"
-            f"{latest_name}{_NAMES}{earlier_name}"
+            f"{self.epoch}:{self.step}:{self.collectives}:{int(self.ended)}:{self.forwards}:"
+            f"{self.backwards}:{self.forwards_at_backward}:{latest}:{earlier}:{latest_name}{_NAMES}{earlier_name}"
         )
         self.store.set(self._key(self.rank), entry)
 
@@ -260,39 +333,54 @@ class GatherLedger:
     def _wait_for_step(self) -> dict[int, str]:
         """What each rank does at this rank's current step: a method's name, "forward", or
         that it cannot get there (it waits in a collective of ours, or its block ended)."""
+
+        def reached(entry: _Entry) -> str | None:
+            same = entry.epoch == self.epoch  # counts of another epoch do not compare
+            if same and entry.step >= self.step:  # it reached this step: what it did there
+                return entry.at(self.step)
+            if entry.ended:
+                return _ENDED
+            if same and entry.collectives > self.collectives:  # where this rank has not been
+                return _IN_COLLECTIVE
+            return None
+
         what = self.checked[0][1]
-        seen = {self.rank: what}
+        seen = self._poll(reached, what, "to reach it")
+        seen[self.rank] = what
+        return seen
+
+    def _poll(self, settle: Callable[[_Entry], str | None], who: str, until: str) -> dict[int, str]:
+        """Read the other ranks' lines until ``settle`` says, for each, what it does (None:
+        it cannot tell yet); ``who`` waits ``until`` (for the timeout's message)."""
+        seen: dict[int, str] = {}
         pending = [r for r in range(self.world_size) if r != self.rank]
         pause = 0.0005
         deadline = time.monotonic() + self.timeout
         while pending:
-            keys = [self._key(r) for r in pending]
-            # multi_get would wait, bounded by the store's timeout, for a key not yet written
-            values = self.store.multi_get(keys) if self.store.check(keys) else [b""] * len(keys)
             waiting = []
-            for r, value in zip(pending, values):
-                entry = _Entry.parse(value)
-                same = entry.epoch == self.epoch  # counts of another epoch do not compare
-                if same and entry.step >= self.step:  # it reached this step: what it did there
-                    seen[r] = entry.at(self.step)
-                elif entry.ended:
-                    seen[r] = _ENDED
-                elif same and entry.collectives > self.collectives:  # where this rank has not been
-                    seen[r] = _IN_COLLECTIVE
-                else:
+            for r, entry in zip(pending, self._entries(pending)):
+                done = settle(entry)
+                if done is None:
                     waiting.append(r)
+                else:
+                    seen[r] = done
             pending = waiting
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"{what} waited {self.timeout:.0f} s (launch(timeout=)) for rank(s) "
-                    f"{pending} to reach it under strategy={self.strategy!r}; they never ran the "
-                    "model's forward or method again (a raw torch.distributed call, or work "
-                    "that never ended)."
+                    f"{who} waited {self.timeout:.0f} s (launch(timeout=)) for rank(s) {pending} "
+                    f"{until} under strategy={self.strategy!r}; they never ran the model's forward "
+                    "or method again (a raw torch.distributed call, or work that never ended)."
                 )
             if pending:
                 time.sleep(pause)
                 pause = min(0.02, pause * 2)
         return seen
+
+    def _entries(self, ranks: list[int]) -> list[_Entry]:
+        keys = [self._key(r) for r in ranks]
+        # multi_get would wait, bounded by the store's timeout, for a key not yet written
+        values = self.store.multi_get(keys) if self.store.check(keys) else [b""] * len(keys)
+        return [_Entry.parse(value) for value in values]
 
 
 class Nesting:
@@ -315,7 +403,7 @@ class Nesting:
         if self.depth == 1 and self.ledger is not None:
             evaluating = not (torch.is_grad_enabled() and module.training)
             joined = in_join(self.user_module if self.user_module is not None else module)
-            self.ledger.forward(evaluating=evaluating and not joined)
+            self.ledger.forward(evaluating=evaluating, joined=joined)
 
     def leave(self, *_: Any) -> None:
         self.depth -= 1
@@ -374,19 +462,27 @@ class _Entry:
     step: int = 0
     collectives: int = 0
     ended: bool = False
+    forwards: int = 0
+    backwards: int = 0
+    forwards_at_backward: int = 0
     checked: tuple[tuple[int, str], tuple[int, str]] = ((0, ""), (0, ""))
 
     @classmethod
     def parse(cls, value: bytes) -> _Entry:
         if not value:
             return cls()
-        epoch, step, collectives, ended, latest, earlier, names = value.decode().split(":", 6)
+        epoch, step, collectives, ended, forwards, backwards, at_backward, latest, earlier, names = (
+            value.decode().split(":", 9)
+        )
         latest_name, earlier_name = names.split(_NAMES)
         return cls(
             int(epoch),
             int(step),
             int(collectives),
             ended == "1",
+            int(forwards),
+            int(backwards),
+            int(at_backward),
             ((int(latest), latest_name), (int(earlier), earlier_name)),
         )
 
@@ -406,16 +502,19 @@ def _call(name: str) -> str:
     return name if name.endswith(")") else f"{name}()"
 
 
+_WORDS = {
+    _FORWARD: "went on to the model's forward",
+    EVALUATION: "ran an evaluation forward instead",
+    _ENDED: "reached the end of its launch block",
+    _IN_COLLECTIVE: "waits in a collective (lite.barrier(), lite.all_reduce(), ...) this rank did not call",
+}
+
+
+def _words(done: str) -> str:
+    """What a rank that did ``done`` (a method's name, or one of the marks above) did, in words."""
+    return _WORDS.get(done, f"called {_call(done)} instead")
+
+
 def _others(seen: dict[int, str], what: str) -> str:
     """What the ranks that do not do ``what`` do instead, for a refusal."""
-    words = {
-        _FORWARD: "went on to the model's forward",
-        EVALUATION: "ran an evaluation forward instead",
-        _ENDED: "reached the end of its launch block",
-        _IN_COLLECTIVE: "waits in a collective (lite.barrier(), lite.all_reduce(), ...) this rank did not call",
-    }
-    return "; ".join(
-        f"rank {r} {words.get(done, f'called {_call(done)} instead')}"
-        for r, done in sorted(seen.items())
-        if done != what
-    )
+    return "; ".join(f"rank {r} {_words(done)}" for r, done in sorted(seen.items()) if done != what)

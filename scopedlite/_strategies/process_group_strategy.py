@@ -18,6 +18,7 @@ from scopedlite._comm import distributed as _distributed
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.join.hook import JoinHook
+from scopedlite._strategies.join.members import in_join
 from scopedlite._strategies.join.session import JoinSession
 from scopedlite._strategies.lockstep import GatherLedger
 
@@ -145,6 +146,17 @@ class ProcessGroupStrategy(Strategy):
         others' next forward, and wait until the watchdog or the timeout ends the run."""
         if self._ledger is not None:
             self._ledger.every_rank_calls(name)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self._note_backward()
+        super().backward(loss, *args, **kwargs)
+
+    def _note_backward(self) -> None:
+        """Under fsdp, model_parallel and ZeRO-3, a backward outside ``lite.join`` is noted in
+        the gather ledger: a rank that skipped it is refused at its next forward, before that
+        forward's gathers meet this backward's (lockstep.py)."""
+        if self._ledger is not None and not in_join():
+            self._ledger.backward()
 
     def note_collective(self) -> None:
         """A rank gathering alone learns from the ledger that this one waits in a collective."""

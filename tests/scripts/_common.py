@@ -206,3 +206,18 @@ def check_save_on_some_ranks(seen):
     for rank, out in enumerate(seen):
         assert_close(out["trained"], expected, 1e-5, f"rank {rank} params")
         assert out["loaded"] == out["trained"], f"rank {rank}: the checkpoint saved by every rank did not load back"
+
+
+def check_skip_on_gathering(result):
+    """skip_on_gathering.py's run: it ends with rank 1's refusal, after training as plain torch."""
+    assert result.returncode != 0, result.explain()
+    refusal = (
+        "rank 1 raised RuntimeError: This rank was refused earlier, and the run cannot go on: "
+        "This rank is about to run training forward 15"
+    )
+    assert refusal in result.stderr, result.explain()
+    assert "(rank 0 started its backward 7 after 14 training forwards)" in result.stderr, result.explain()
+    assert "lite.all_reduce(float(not torch.isfinite(loss))" in result.stderr, result.explain()
+    assert "skipped backward was not refused" not in result.stderr, result.explain()
+    for rank, out in enumerate(result.json()):
+        assert_close(out["trained"], out["reference"], 1e-5, f"rank {rank} params")

@@ -17,8 +17,9 @@ skipped. Where the counts differ, that ``lite.backward`` raises on every rank, b
 optimizer step applies the mixed gradients. DeepSpeed's own ``model.backward(loss)`` is
 ``lite.backward(loss)`` on the set-up model (``engines.EngineView``), so it is checked too.
 
-Where a forward gathers parameters (ZeRO-3) a skip usually stalls in the gathers before any
-read; the hang watchdog names that. Inside ``lite.join`` the ranks run different numbers of
+Where a forward gathers parameters (ZeRO-3) the skipping rank's next forward would meet the
+others' backward before any read: the gather ledger refuses that forward first (lockstep.py),
+and the run ends there. Inside ``lite.join`` the ranks run different numbers of
 their own forwards on purpose (the join protocol keeps them in step): the comparison pauses
 there, and the counts start again from zero on every rank when the block ends.
 """

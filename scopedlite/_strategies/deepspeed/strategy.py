@@ -377,6 +377,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 "`with lite.no_backward_sync(model):` (as under DDP), or call optimizer.step() "
                 "in between."
             )
+        self._note_backward()
         with filtered_warnings(), self._counts.compared(record.place, synced or self.stage >= 2):
             try:
                 engine.backward(loss)
