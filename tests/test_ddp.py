@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, reference_training
+from _common import assert_close, check_save_on_some_ranks, reference_training
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +83,17 @@ def test_accumulation_clipping_checkpoint_and_rank_zero_first(script, tmp_path):
         assert f"Parameter indices which did not receive grad for rank {rank}: 4 5" in error["cause"]
     # rank 0 entered first and found nothing; rank 1 entered after it left, and found its file
     assert out["rank_zero_first"] == [{"first": True, "found": False}, {"first": False, "found": True}]
+
+
+def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script):
+    """`if run.is_global_zero: lite.save(path, state)` (and lite.load), a torchrun habit: every
+    rank checks the path together, so rank 0's check met rank 1's next backward, and gloo
+    aborted the process on the mismatched sizes (under NCCL: a hang). Now rank 0 is refused at
+    once, before any collective, naming the fix; it catches it and the ranks stay in step
+    (training equals plain torch's), and a save and load on every rank round-trip."""
+    result = script("save_on_some_ranks", "ddp", timeout=100)
+    assert result.returncode == 0, result.explain()
+    check_save_on_some_ranks(result.json())
 
 
 def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):

@@ -405,10 +405,13 @@ def test_torch_clip_grad_norm_on_a_deepspeed_model_clips_the_engines_gradients(s
 @needs_deepspeed
 @pytest.mark.deepspeed_op
 @pytest.mark.timeout(RUN_S + 30)
-def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once_at_stage_3(script):
-    """As under fsdp (test_fsdp.py): at stage 3 every rank writes its part of the folder, and
-    rank 0 alone is refused at once, before any collective; the ranks stay in step."""
-    result = script("save_on_some_ranks", "deepspeed_stage_3", timeout=RUN_S)
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"])
+def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script, strategy):
+    """As under fsdp (test_fsdp.py) and ddp: at stage 3 every rank writes its part of the
+    folder, at stages 1-2 the ranks check the path together; rank 0 alone is refused at once,
+    before any collective (before: at stages 1-2 gloo aborted the process on the mismatched
+    sizes); the ranks stay in step."""
+    result = script("save_on_some_ranks", strategy, timeout=RUN_S)
     assert result.returncode == 0, result.explain()
     check_save_on_some_ranks(result.json())
 

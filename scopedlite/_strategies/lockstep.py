@@ -43,6 +43,11 @@ skip. That rank's gathers would meet the other ranks' backward, and the run woul
 the watchdog; it is refused there, naming the fix (``skipped_step.py``). The others wait in
 that backward's collectives, so the refusal ends the run. A loop with one forward per
 backward never reads; a script whose backwards are not ``lite.backward`` is not checked.
+
+Under ddp and ZeRO-1/2 (``gathers=False``) a forward gathers nothing: the ledger notes only
+the training forwards (those strategies compare them at the backward), so that ``lite.save``
+and ``lite.load`` on some ranks only are refused at once there too
+(:meth:`GatherLedger.every_rank_calls`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,10 @@ class GatherLedger:
         full_weights: The expression that gives every rank the model's full weights under
             this strategy (the way to a plain copy for one rank).
         timeout: How long (seconds) a rank waits for the others to reach its step.
+        gathers: Whether the strategy's forwards gather parameters (fsdp, model_parallel,
+            ZeRO-3). Where they do not (ddp, ZeRO-1/2) the strategy notes only its training
+            forwards, and the ledger serves :meth:`every_rank_calls` alone: no skipped backward
+            is looked for (those strategies compare at the backward, ``skipped_step.py``).
     """
 
     def __init__(
@@ -107,8 +116,10 @@ class GatherLedger:
         hint: str = "",
         full_weights: str = "model.state_dict()",
         timeout: float = 1800.0,
+        gathers: bool = True,
     ) -> None:
         self.store = store
+        self.gathers = gathers
         self.rank = rank
         self.world_size = world_size
         self.strategy = strategy
@@ -136,9 +147,16 @@ class GatherLedger:
 
     @classmethod
     def of_default_group(
-        cls, strategy: str, hint: str = "", full_weights: str = "model.state_dict()", timeout: float = 1800.0
+        cls,
+        strategy: str,
+        hint: str = "",
+        full_weights: str = "model.state_dict()",
+        timeout: float = 1800.0,
+        gathers: bool = True,
     ) -> GatherLedger:
-        return cls(default_store(), dist.get_rank(), dist.get_world_size(), strategy, hint, full_weights, timeout)
+        return cls(
+            default_store(), dist.get_rank(), dist.get_world_size(), strategy, hint, full_weights, timeout, gathers
+        )
 
     def forward(self, evaluating: bool = False, joined: bool = False) -> None:
         """A forward of a set-up model is about to gather (not one inside a method's call).
@@ -155,7 +173,7 @@ class GatherLedger:
             if not joined:
                 self.forwards += 1
             self._write()
-            if not joined and self.backwards and self.forwards - self.forwards_at_backward > 1:
+            if self.gathers and not joined and self.backwards and self.forwards - self.forwards_at_backward > 1:
                 self._check_backward_taken()
             return
         callers, seen = self._together(EVALUATION)
@@ -192,12 +210,14 @@ class GatherLedger:
         callers, seen = self._together(call)
         if callers is None:
             return
+        parts = ", and each holds part of the model, which it writes or reads" if self.gathers else ""
+        aside = " (lite.save itself has rank 0 alone write what is one file)" if call == "lite.save" else ""
         raise MethodCalledOnSomeRanksError(
             f"{call}() was called on rank(s) {callers} only ({_others(seen, call)}), under "
-            f"strategy={self.strategy!r}: every rank takes part in it (each holds part of the "
-            "model, and writes or reads that part), so alone it would wait for the others' "
-            f"collective, which is their next step's. Call {call} on every rank, not under "
-            f"`if run.is_global_zero:` ({call} itself has rank 0 alone write what is one file)."
+            f"strategy={self.strategy!r}: every rank takes part in it (the ranks check that they "
+            f"name the same path{parts}), so alone it would wait for the others' collective, "
+            f"which is their next step's. Call {call} on every rank, not under "
+            f"`if run.is_global_zero:`{aside}."
         )
 
     def whole_value(self, call: str) -> None:

@@ -322,7 +322,7 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
         if torch.is_grad_enabled():
             count = count_of(ddp_comm_hook(self))
             if count is not None:
-                count.forwards += 1
+                count.forward()
         return forward_naming_unused(self, *args, **kwargs)
 
     def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:

@@ -1,10 +1,11 @@
-"""``lite.save`` / ``lite.load`` on rank 0 alone, under a sharded strategy (argv: strategy:
-fsdp or deepspeed_stage_3), as a DDP script writes it (``if run.is_global_zero:
+"""``lite.save`` / ``lite.load`` on rank 0 alone (argv: strategy: ddp, fsdp or
+deepspeed_stage_1/2/3), as a torchrun script writes its saving (``if run.is_global_zero:
 lite.save(...)``): refused at once on rank 0, which catches it; the ranks stay in step, the
 training equals plain torch's, and a save and load on every rank afterwards round-trip.
 
-Before, rank 0's path check (a collective) met rank 1's next forward: the run waited until
-the hang watchdog or the collective timeout ended it.
+Before, rank 0's path check (a collective) met rank 1's next forward (fsdp, ZeRO-3) or
+backward (ddp, ZeRO-1/2): the run waited until the hang watchdog or the collective timeout
+ended it, or gloo aborted the process on the mismatched sizes.
 """
 
 import os

@@ -33,22 +33,32 @@ _MARK = "__scopedlite_counted__"
 
 
 class ForwardCount:
-    """One set-up DDP model's training forwards, and the hook that reduces its buckets."""
+    """One set-up DDP model's training forwards, and the hook that reduces its buckets.
 
-    def __init__(self, hook: Callable[..., Any]) -> None:
+    ``noted`` is told of each training forward too: the run's gather ledger, which has a
+    ``lite.save`` on some ranks only refused at once (``lockstep.py``)."""
+
+    def __init__(self, hook: Callable[..., Any], noted: Callable[[], None]) -> None:
         self.hook = hook
+        self.noted = noted
         self.state: Any = None
         self.forwards = 0
         self.paused = False  # inside lite.join
 
+    def forward(self) -> None:
+        """The model runs a training forward (gradients enabled)."""
+        self.forwards += 1
+        self.noted()
 
-def counted_backwards(count_group: Any) -> Callable[[Any, Any], Any]:
+
+def counted_backwards(count_group: Any, noted: Callable[[], None]) -> Callable[[Any, Any], Any]:
     """The communication hook to register on a set-up DDP model (``state`` is unused: the
     reducing hook's state is kept in its :class:`ForwardCount`). ``count_group``: where the
-    counts travel, a CPU group (None: the default group, gloo)."""
+    counts travel, a CPU group (None: the default group, gloo); ``noted``: told of each
+    training forward."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    count = ForwardCount(allreduce_hook)
+    count = ForwardCount(allreduce_hook, noted)
 
     def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = count.hook(count.state, bucket)

@@ -14,6 +14,7 @@ from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.ddp.buffers import take_over_buffer_sync
 from scopedlite._strategies.ddp.counted import count_of, counted_backwards
 from scopedlite._strategies.ddp.join import DDPJoinHook, refuse_what_join_cannot_replay
+from scopedlite._strategies.lockstep import GatherLedger
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.set_up import foreign_parameter, parameters_outside
@@ -78,6 +79,18 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         super().start(placement, rendezvous)
         self.scaling = GradientScaling.for_placement(placement)
+        # Each rank notes its training forwards, so that lite.save on some ranks only is
+        # refused at once, not left to meet the others' next backward (lockstep.py).
+        self._ledger = (
+            GatherLedger.of_default_group(self.name, timeout=placement.timeout.total_seconds(), gathers=False)
+            if placement.world_size > 1
+            else None
+        )
+
+    def stop(self) -> None:
+        if getattr(self, "_ledger", None) is not None:
+            self._ledger.close()
+        super().stop()
 
     # -- modules and optimizers ---------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -90,7 +103,9 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         device_ids = [self.placement.device.index] if self.placement.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
         # Every rank runs the same synchronised backwards, or all refuse at once (counted.py).
-        ddp.register_comm_hook(None, counted_backwards(self._rounds_group()))
+        ledger = self._ledger
+        noted = ledger.forward if ledger is not None else _nothing
+        ddp.register_comm_hook(None, counted_backwards(self._rounds_group(), noted))
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
         # Rank 0's buffers at the end of each training forward, not at the start of the next:
@@ -173,3 +188,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     ) -> DDPJoinHook:
         refuse_what_join_cannot_replay(models, optimizers)
         return DDPJoinHook(self, models, divide_by_initial_world_size, self.placement.world_size)
+
+
+def _nothing() -> None:
+    """What a training forward tells where no ledger is kept (one rank)."""

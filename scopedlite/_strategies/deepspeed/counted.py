@@ -27,7 +27,7 @@ there, and the counts start again from zero on every rank when the block ends.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,10 +52,13 @@ class BackwardCounts:
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
 
-    def forward(self, place: int) -> None:
-        """Model ``place`` runs a forward (one of the user's methods run through it is none)."""
+    def forward(self, place: int, noted: Callable[[], None] | None = None) -> None:
+        """Model ``place`` runs a forward (one of the user's methods run through it is none);
+        ``noted`` is told of a training forward (the gather ledger at stages 0-2)."""
         if torch.is_grad_enabled() and not method_running():
             self.forwards[place] = self.forwards.get(place, 0) + 1
+            if noted is not None:
+                noted()
 
     @contextlib.contextmanager
     def compared(self, place: int, reduces: bool) -> Iterator[None]:

@@ -164,9 +164,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             self._start_deepspeed(placement, rendezvous)
             # ZeRO-3 gathers parameters for the user's methods too: each rank notes its
             # gathering steps, and a method called on some ranks only is refused (lockstep.py).
+            # At stages 0-2 it notes its training forwards, for lite.save on some ranks only.
             self._ledger = (
-                GatherLedger.of_default_group("deepspeed_stage_3", timeout=placement.timeout.total_seconds())
-                if self.stage == 3 and placement.world_size > 1
+                GatherLedger.of_default_group(
+                    f"deepspeed_stage_{self.stage}", timeout=placement.timeout.total_seconds(), gathers=self.stage == 3
+                )
+                if placement.world_size > 1
                 else None
             )
         except BaseException:
@@ -287,7 +290,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         if self.half_dtype is not None:
             engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True)
         nesting = None
-        if self._ledger is not None:  # ZeRO-3's methods gather: every rank must call them
+        if self._ledger is not None and self._ledger.gathers:  # ZeRO-3's methods gather: every rank must call them
             nesting = Nesting(self._ledger, engine.module)
             engine.register_forward_pre_hook(nesting.enter, prepend=True)
             engine.register_forward_hook(nesting.leave, always_call=True)
@@ -300,7 +303,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # the ranks compare their training forwards at each backward
             counts, place = self._counts, record.place
             counts.start()
-            engine.register_forward_pre_hook(lambda *_: counts.forward(place))
+            # at stages 0-2 the ledger notes the training forwards counted (ZeRO-3's hook above)
+            noted = self._ledger.forward if self._ledger is not None and not self._ledger.gathers else None
+            engine.register_forward_pre_hook(lambda *_: counts.forward(place, noted))
         return model, [] if optimizer is None else [optimizer]
 
     def engine(self, model: torch.nn.Module) -> Any:
