@@ -96,7 +96,7 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "all_gather_replicas": lambda tensor: torch.stack([tensor, tensor]),
     "broadcast": lambda obj, src: obj,
     "barrier": lambda: None,
-    "every_rank_calls": lambda name: None,  # lite.save / lite.load, before their first collective
+    "every_rank_calls": lambda call, why, fix: None,  # lite.save, lite.setup, ..., before their first collective
 }
 LAUNCH_HOOKS = {"start", "place", "stop", "backend", "fresh", "comm_device", "describe", "unwrap", "block_body_ended"}
 # Where this process's share of the data is: read by setup_dataloader and lite.save through the

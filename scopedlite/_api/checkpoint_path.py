@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from scopedlite._api.current import current
+from scopedlite._api.every_rank import every_rank_calls
 from scopedlite._api.join import active_session
 from scopedlite._comm.wire import gather_objects
 
@@ -34,8 +35,7 @@ def check_same_path(path: str | os.PathLike[str], caller: str) -> None:
     """Refuse, on every rank at once, a ``path`` that is not the same on every rank.
 
     A collective (every rank calls ``lite.save`` and ``lite.load``); nothing on one process.
-    Where the strategy can tell (fsdp, model_parallel, ZeRO-3), a call on some ranks only is
-    refused first, on the ranks that make it.
+    A call on some ranks only is refused first, on the ranks that make it (``every_rank.py``).
 
     Args:
         path: What this rank passed.
@@ -45,9 +45,14 @@ def check_same_path(path: str | os.PathLike[str], caller: str) -> None:
     if run.world_size == 1:
         return
     mine = os.path.abspath(os.fsdecode(path))
+    aside = " (lite.save itself has rank 0 alone write what is one file)" if caller == "lite.save" else ""
+    every_rank_calls(
+        caller,
+        "the ranks check that they name the same path, and where each holds part of the model it "
+        "writes or reads that part",
+        f"Call {caller} on every rank, not under `if run.is_global_zero:`{aside}.",
+    )
     session = active_session(run)
-    if session is None:  # inside lite.join the session keeps the ranks' steps in order
-        run.strategy.every_rank_calls(caller)
     target: Any = session if session is not None else run.strategy
     # 62 bits, so that the negation of every digest is an int64 too
     digest = int.from_bytes(hashlib.blake2b(mine.encode(), digest_size=8).digest(), "little") >> 2

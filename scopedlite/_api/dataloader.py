@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from scopedlite._api.collectives import broadcast
 from scopedlite._api.current import current
 from scopedlite._api.epochs import PassCount, book_of
+from scopedlite._api.every_rank import every_rank_calls
 from scopedlite._api.join import active_session
 from scopedlite._api.loader_state import ResumeCursor
 from scopedlite._api.rank_zero import in_rank_zero_first
@@ -168,13 +169,19 @@ class _ReadAhead:
 def _agreed(seed: int, starts: list[int]) -> tuple[int, list[int]]:
     """Rank 0's ``seed_everything`` seed and first epochs: ranks that seeded differently (say,
     per rank, for augmentation) must still draw one order, or samples are lost and others
-    repeated."""
+    repeated. A call on some ranks only is refused before the broadcast (``every_rank.py``)."""
     if in_rank_zero_first():
         raise RuntimeError(
             "lite.setup_dataloader was called inside lite.rank_zero_first(): it agrees on the "
             "shuffle seed with the other ranks, which wait for this block to end, so the run "
             "would hang. Build the dataset inside the block and call setup_dataloader after it."
         )
+    every_rank_calls(
+        "lite.setup_dataloader",
+        "the ranks agree on the shuffle seed, and each reads its own share of the dataset",
+        "Set it up on every rank. A loader that one rank reads whole (an evaluation on rank 0 "
+        "alone) needs no sharding: `lite.setup_dataloader(loader, use_distributed_sampler=False)`.",
+    )
     seed, starts = broadcast((seed, starts), src=0)
     return int(seed), [int(start) for start in starts]
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from scopedlite._api.current import current
+from scopedlite._api.every_rank import every_rank_calls
 from scopedlite._api.join import active_session
 from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
@@ -32,6 +33,15 @@ def _refuse_second_setup(module: torch.nn.Module) -> None:
         )
 
 
+def _every_rank_sets_up() -> None:
+    every_rank_calls(
+        "lite.setup",
+        "the strategy spreads the model over the ranks, or makes their copies equal",
+        "Set it up on every rank. A model that one rank uses alone (a plain copy to evaluate "
+        "on rank 0) needs no setup: `copy.to(run.device)` and use it as it is.",
+    )
+
+
 def _remember_setup(*modules: torch.nn.Module) -> None:
     run = current()
     if run.launched:
@@ -48,6 +58,7 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     module, compiler = _uncompiled(module)
     _refuse_second_setup(module)
     run = current()
+    _every_rank_sets_up()
     prepared = _cast_inputs(run.strategy.setup_module(module))
     _compile_again(prepared, compiler)
     _remember_setup(module, prepared)
@@ -109,6 +120,7 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
                 raise TypeError(f"setup takes torch optimizers, got {type(optimizer).__name__}.")
         module, compiler = _uncompiled(module)
         _refuse_second_setup(module)
+        _every_rank_sets_up()
         engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
         _compile_again(engine, compiler)
         _remember_setup(module, engine)

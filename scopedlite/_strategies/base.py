@@ -118,10 +118,11 @@ class Strategy(ABC):
         """This rank has run the whole body of its launch block and waits for the others at
         its end (called before that wait): a rank about to gather alone can then be told."""
 
-    def every_rank_calls(self, name: str) -> None:  # noqa: B027 - only strategies that can tell care
-        """``name`` (``"lite.save"``), which every rank calls together, is about to run its
+    def every_rank_calls(self, call: str, why: str, fix: str) -> None:  # noqa: B027 - only strategies that can tell care
+        """``call`` (``"lite.save"``), which every rank makes together, is about to run its
         first collective: where the strategy can tell (its gather ledger), a call on some
-        ranks only is refused at once, before that collective meets the others' next step."""
+        ranks only is refused at once, before that collective meets the others' next step
+        (``why``: what every rank does in it; ``fix``: the way out, for the message)."""
 
     # -- modules and optimizers ---------------------------------------------------------
     @abstractmethod

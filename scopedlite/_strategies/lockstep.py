@@ -166,14 +166,17 @@ class GatherLedger:
         (``evaluating``: grad disabled or the model in ``eval()``, what a rank alone typically
         runs) returns when every rank runs one too, and raises
         :class:`ForwardOnSomeRanksError` when some do not. Inside ``lite.join`` (``joined``)
-        every forward is only noted.
+        nothing is noted: the join protocol keeps the ranks in step there (a rank out of data
+        replays the others' forwards), and the counts stay those of before the block on every
+        rank, however it ends (a refusal on some ranks, an exception).
         """
-        if not evaluating or joined:
+        if joined:
+            return
+        if not evaluating:
             self.step += 1
-            if not joined:
-                self.forwards += 1
+            self.forwards += 1
             self._write()
-            if self.gathers and not joined and self.backwards and self.forwards - self.forwards_at_backward > 1:
+            if self.gathers and self.backwards and self.forwards - self.forwards_at_backward > 1:
                 self._check_backward_taken()
             return
         callers, seen = self._together(EVALUATION)
@@ -203,21 +206,18 @@ class GatherLedger:
             f"Call it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
         )
 
-    def every_rank_calls(self, call: str) -> None:
+    def every_rank_calls(self, call: str, why: str, fix: str) -> None:
         """``call`` (``"lite.save"``), which every rank makes together, is about to run its
         first collective: return when every rank makes it too, raise
-        :class:`MethodCalledOnSomeRanksError` when some do not."""
+        :class:`MethodCalledOnSomeRanksError` when some do not (``why``: what every rank does
+        in it; ``fix``: the way out)."""
         callers, seen = self._together(call)
         if callers is None:
             return
-        parts = ", and each holds part of the model, which it writes or reads" if self.gathers else ""
-        aside = " (lite.save itself has rank 0 alone write what is one file)" if call == "lite.save" else ""
         raise MethodCalledOnSomeRanksError(
             f"{call}() was called on rank(s) {callers} only ({_others(seen, call)}), under "
-            f"strategy={self.strategy!r}: every rank takes part in it (the ranks check that they "
-            f"name the same path{parts}), so alone it would wait for the others' collective, "
-            f"which is their next step's. Call {call} on every rank, not under "
-            f"`if run.is_global_zero:`{aside}."
+            f"strategy={self.strategy!r}: every rank takes part in it ({why}), so alone it would "
+            f"wait for the others' collective, which is their next step's. {fix}"
         )
 
     def whole_value(self, call: str) -> None:
@@ -288,12 +288,29 @@ class GatherLedger:
         self.collectives += 1
         self._write()
 
+    @contextlib.contextmanager
+    def inside_join(self) -> Iterator[None]:
+        """A ``lite.join`` block, however it ends. Inside it the join protocol keeps the ranks
+        in step: no forward is noted there (:meth:`forward`), and its rounds count as
+        collectives only while it is open (a rank evaluating alone outside it learns that the
+        others are in one). Leaving it, every rank takes those rounds back (a serving rank's
+        rounds are not the running rank's collectives) and starts a new epoch, whatever way
+        it left (in step, by a refusal on some ranks, by an exception): only entries of the
+        same epoch compare, so no rank reads another that is still inside the block."""
+        collectives = self.collectives
+        try:
+            yield
+        finally:
+            self.epoch += 1
+            self.collectives = collectives
+            if not self.broken:
+                self._write()
+
     def realign(self) -> None:
-        """Every rank left a ``lite.join`` block together. Inside it the join protocol keeps
-        forwards in step (a rank out of data replays the others'), and the counts of forwards
-        and of collectives need not agree (a replay is not the forward it mirrors, a serving
-        rank's rounds are not the running rank's collectives): all counts start again here,
-        in a new epoch that only entries of the same epoch are compared in."""
+        """Every rank refused the same backward together (a step skipped on some ranks, under
+        ddp or DeepSpeed: ``skipped_step.py``): their counts of forwards differ by the skip, so
+        all counts start again here, in a new epoch that only entries of the same epoch are
+        compared in."""
         self.epoch += 1
         self.step = self.collectives = 0
         self.forwards = self.backwards = self.forwards_at_backward = 0

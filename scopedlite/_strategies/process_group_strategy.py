@@ -134,22 +134,26 @@ class ProcessGroupStrategy(Strategy):
         _distributed.barrier(self._backend, self.placement.device)
 
     def join_left(self) -> None:
-        """Every rank left a ``lite.join`` block together: the gather ledger starts its count
-        again there (inside the block the join protocol kept forwards in step, not the ledger)."""
-        if self._ledger is not None:
-            self._ledger.realign()
+        """Every rank left a ``lite.join`` block together (the gather ledger's counts, kept by
+        its own scope around the block, start again on every way out: lockstep.py)."""
 
-    def every_rank_calls(self, name: str) -> None:
-        """Under fsdp, model_parallel and ZeRO-3 (a gather ledger), ``name`` called on some
-        ranks only (``if run.is_global_zero: lite.save(...)``) raises
-        ``MethodCalledOnSomeRanksError`` there at once: its first collective would meet the
-        others' next forward, and wait until the watchdog or the timeout ends the run."""
+    def every_rank_calls(self, call: str, why: str, fix: str) -> None:
+        """Where the strategy keeps a gather ledger (all but xla), ``call`` made on some ranks
+        only (``if run.is_global_zero: lite.save(...)``) raises ``MethodCalledOnSomeRanksError``
+        there at once: its first collective would meet the others' next step, and the run
+        would abort or wait until the watchdog or the timeout ends it."""
         if self._ledger is not None:
-            self._ledger.every_rank_calls(name)
+            self._ledger.every_rank_calls(call, why, fix)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self._note_backward()
         super().backward(loss, *args, **kwargs)
+
+    def _note_forward(self) -> None:
+        """Under ddp and ZeRO-0/1/2, whose forwards gather nothing, a training forward is noted
+        in the gather ledger (outside ``lite.join``), for :meth:`every_rank_calls`."""
+        if self._ledger is not None:
+            self._ledger.forward(joined=in_join())
 
     def _note_backward(self) -> None:
         """Under fsdp, model_parallel and ZeRO-3, a backward outside ``lite.join`` is noted in
@@ -186,7 +190,8 @@ class ProcessGroupStrategy(Strategy):
         chosen = tuple(chosen_models) or tuple(models)
         optimizers = self.join_optimizers(chosen)
         hook = self.join_hook(chosen, optimizers, divide_by_initial_world_size)
-        return JoinSession(self, hook, chosen, optimizers, self._rounds_group(), self.join_replicas())
+        ledger = self._ledger.inside_join() if self._ledger is not None else None
+        return JoinSession(self, hook, chosen, optimizers, self._rounds_group(), self.join_replicas(), ledger)
 
     def join_models(self) -> list[torch.nn.Module]:
         """The models set up in this run and still referenced, in setup order."""

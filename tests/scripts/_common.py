@@ -198,10 +198,15 @@ def save_on_some_ranks_reference():
 
 def check_save_on_some_ranks(seen):
     expected = save_on_some_ranks_reference()
-    saved, loaded = seen[0]["refused"]
+    saved, set_up, loaded, loader = seen[0]["refused"]
     assert saved.startswith("lite.save() was called on rank(s) [0] only (rank 1 went on to the model's forward)"), saved
     assert loaded.startswith("lite.load() was called on rank(s) [0] only"), loaded
     assert "Call lite.save on every rank" in saved
+    assert set_up.startswith("lite.setup() was called on rank(s) [0] only (rank 1 went on"), set_up
+    assert "`copy.to(run.device)`" in set_up, set_up
+    assert loader.startswith("lite.setup_dataloader() was called on rank(s) [0] only (rank 1 went on"), loader
+    assert "use_distributed_sampler=False" in loader, loader
+    assert seen[0]["read_alone"] == 4  # every row of rank 0's loader, unsharded
     assert seen[1]["refused"] == []
     for rank, out in enumerate(seen):
         assert_close(out["trained"], expected, 1e-5, f"rank {rank} params")

@@ -35,12 +35,14 @@ _MARK = "__scopedlite_counted__"
 class ForwardCount:
     """One set-up DDP model's training forwards, and the hook that reduces its buckets.
 
-    ``noted`` is told of each training forward too: the run's gather ledger, which has a
-    ``lite.save`` on some ranks only refused at once (``lockstep.py``)."""
+    ``noted`` is told of each training forward too, and ``refused`` of a refusal: the run's
+    gather ledger, which has a ``lite.save`` on some ranks only refused at once
+    (``lockstep.py``), and whose counts start again where every rank refuses together."""
 
-    def __init__(self, hook: Callable[..., Any], noted: Callable[[], None]) -> None:
+    def __init__(self, hook: Callable[..., Any], noted: Callable[[], None], refused: Callable[[], None]) -> None:
         self.hook = hook
         self.noted = noted
+        self.refused = refused
         self.state: Any = None
         self.forwards = 0
         self.paused = False  # inside lite.join
@@ -51,14 +53,16 @@ class ForwardCount:
         self.noted()
 
 
-def counted_backwards(count_group: Any, noted: Callable[[], None]) -> Callable[[Any, Any], Any]:
+def counted_backwards(
+    count_group: Any, noted: Callable[[], None], refused: Callable[[], None]
+) -> Callable[[Any, Any], Any]:
     """The communication hook to register on a set-up DDP model (``state`` is unused: the
     reducing hook's state is kept in its :class:`ForwardCount`). ``count_group``: where the
     counts travel, a CPU group (None: the default group, gloo); ``noted``: told of each
-    training forward."""
+    training forward; ``refused``: of a refusal (on every rank together)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    count = ForwardCount(allreduce_hook, noted)
+    count = ForwardCount(allreduce_hook, noted, refused)
 
     def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = count.hook(count.state, bucket)
@@ -68,7 +72,7 @@ def counted_backwards(count_group: Any, noted: Callable[[], None]) -> Callable[[
         extremes = spread(n)
         compared = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
         both = torch.futures.collect_all([reduced, compared.get_future()])
-        return both.then(lambda done: _verdict(done, n, extremes, reduced))
+        return both.then(lambda done: _verdict(done, n, extremes, reduced, count.refused))
 
     # DDP checks a hook's annotations as objects; under `from __future__ import annotations`
     # they are strings
@@ -78,13 +82,18 @@ def counted_backwards(count_group: Any, noted: Callable[[], None]) -> Callable[[
 
 
 def _verdict(
-    done: torch.futures.Future[Any], mine: int, extremes: torch.Tensor, reduced: torch.futures.Future[Any]
+    done: torch.futures.Future[Any],
+    mine: int,
+    extremes: torch.Tensor,
+    reduced: torch.futures.Future[Any],
+    refused: Callable[[], None],
 ) -> Any:
     # Either exchange failing (a peer gone) completes ``done`` at once with that error, the
     # other maybe still under way: raise it as it is, as DDP's own reduction would.
     done.value()
     ((least, most),) = ranges(extremes)
     if most != least:
+        refused()
         raise different_forwards(mine, least, most, "DDP would average gradients of different steps")
     return reduced.value()
 

@@ -103,9 +103,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         device_ids = [self.placement.device.index] if self.placement.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
         # Every rank runs the same synchronised backwards, or all refuse at once (counted.py).
-        ledger = self._ledger
-        noted = ledger.forward if ledger is not None else _nothing
-        ddp.register_comm_hook(None, counted_backwards(self._rounds_group(), noted))
+        refused = self._ledger.realign if self._ledger is not None else _nothing
+        ddp.register_comm_hook(None, counted_backwards(self._rounds_group(), self._note_forward, refused))
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
         # Rank 0's buffers at the end of each training forward, not at the start of the next:
@@ -191,4 +190,4 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
 
 
 def _nothing() -> None:
-    """What a training forward tells where no ledger is kept (one rank)."""
+    """What a refusal tells where no ledger is kept (one rank)."""

@@ -44,6 +44,8 @@ class BackwardCounts:
 
     def __init__(self) -> None:
         self.group: Any = None  # made with the first model set up to train (every rank sets it up)
+        # told of a refusal (made on every rank together): the gather ledger's counts start again
+        self.refused: Callable[[], None] | None = None
         self.forwards: dict[int, int] = {}  # model's place in setup order -> training forwards
         self.paused = False  # inside lite.join
 
@@ -75,6 +77,8 @@ class BackwardCounts:
         yield  # an error of the backward is raised as it is, the comparison left unread
         work.wait()  # a peer gone: its error, as DeepSpeed's own reduction would raise
         places, counts = ranges(extremes)
+        if (places[0] != places[1] or counts[0] != counts[1]) and self.refused is not None:
+            self.refused()
         if places[0] != places[1]:
             raise different_models(*places)
         if counts[0] != counts[1]:

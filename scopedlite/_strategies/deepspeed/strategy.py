@@ -172,6 +172,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 if placement.world_size > 1
                 else None
             )
+            self._counts.refused = self._ledger.realign if self._ledger is not None else None
         except BaseException:
             self.stop()  # leave no process group or environment variable behind
             raise
@@ -304,7 +305,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             counts, place = self._counts, record.place
             counts.start()
             # at stages 0-2 the ledger notes the training forwards counted (ZeRO-3's hook above)
-            noted = self._ledger.forward if self._ledger is not None and not self._ledger.gathers else None
+            noted = self._note_forward if self._ledger is not None and not self._ledger.gathers else None
             engine.register_forward_pre_hook(lambda *_: counts.forward(place, noted))
         return model, [] if optimizer is None else [optimizer]
 

@@ -174,8 +174,10 @@ class JoinSession:
         optimizers: tuple[torch.optim.Optimizer, ...],
         group: Any,
         replicas: tuple[int, ...] | None = None,
+        ledger: contextlib.AbstractContextManager[Any] | None = None,
     ) -> None:
         self.strategy = strategy
+        self.ledger = ledger  # the gather ledger's scope around the block (lockstep.py), if kept
         self.hook = hook
         self.models = models
         self.optimizers = optimizers
@@ -222,6 +224,8 @@ class JoinSession:
     # -- the block ---------------------------------------------------------------------------------
     def __enter__(self) -> JoinSession:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
+            if self.ledger is not None:  # entered first, left last, on every way out
+                self._stack.enter_context(self.ledger)
             self._stack.enter_context(join_block(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
             self._stack.enter_context(self.hook.install(self))
             self._stack.enter_context(refuse_raw_collectives())
