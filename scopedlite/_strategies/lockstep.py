@@ -44,10 +44,12 @@ the watchdog; it is refused there, naming the fix (``skipped_step.py``). The oth
 that backward's collectives, so the refusal ends the run. A loop with one forward per
 backward never reads; a script whose backwards are not ``lite.backward`` is not checked.
 
-Under ddp and ZeRO-1/2 (``gathers=False``) a forward gathers nothing: the ledger notes only
-the training forwards (those strategies compare them at the backward), so that ``lite.save``
-and ``lite.load`` on some ranks only are refused at once there too
-(:meth:`GatherLedger.every_rank_calls`).
+Under ddp and ZeRO-0/1/2 (``gathers=False``) a forward gathers nothing: the ledger notes only
+the training forwards (those strategies compare them at the backward), so that the calls
+every rank makes together (``lite.save``, ``lite.load``, ``lite.setup``,
+``lite.setup_dataloader``: ``_api/every_rank.py``) are refused at once on some ranks there
+too (:meth:`GatherLedger.every_rank_calls`). Inside ``lite.join`` nothing is noted, and each
+block starts a new epoch however it ends (:meth:`GatherLedger.inside_join`).
 """
 
 from __future__ import annotations
