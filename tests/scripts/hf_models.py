@@ -145,23 +145,20 @@ with lite.launch(strategy=strategy, devices=devices, accelerator="cpu", timeout=
             torch.save({"initial": initial, "final": final}, folder / f"{kind}.pt")
         del model, opt, loaded, loaded_opt, pretrained
 
-    if KINDS == ("llama",):  # model_parallel: SmallNet has no plan
-        if run.is_global_zero:
-            write(results)
-        sys.exit(0)
-    # torch.compile(model) before setup: trains as the uncompiled model, plain state dict keys
-    torch.manual_seed(0)
-    compiled = torch.compile(SmallNet(), backend=counting_backend)
-    model, opt = lite.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
-    x, y = compile_data()
-    for _ in range(3):
-        lite.backward(torch.nn.functional.mse_loss(model(x[rank::devices]), y[rank::devices]))
-        opt.step()
-        opt.zero_grad()
-    results["compile"] = {
-        "keys": list(model.state_dict()),
-        "graphs": len(calls),
-        "params": [v.flatten().tolist() for v in plain_state(model).values()],
-    }
+    if KINDS != ("llama",):  # not under model_parallel: SmallNet has no plan
+        # torch.compile(model) before setup: trains as the uncompiled model, plain state dict keys
+        torch.manual_seed(0)
+        compiled = torch.compile(SmallNet(), backend=counting_backend)
+        model, opt = lite.setup(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+        x, y = compile_data()
+        for _ in range(3):
+            lite.backward(torch.nn.functional.mse_loss(model(x[rank::devices]), y[rank::devices]))
+            opt.step()
+            opt.zero_grad()
+        results["compile"] = {
+            "keys": list(model.state_dict()),
+            "graphs": len(calls),
+            "params": [v.flatten().tolist() for v in plain_state(model).values()],
+        }
     if run.is_global_zero:
         write(results)
