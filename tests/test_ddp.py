@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, check_save_on_some_ranks, check_scheduler_on_some_ranks, reference_training
+from _common import assert_close, check_save_on_some_ranks, reference_training
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,18 +94,6 @@ def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script):
     result = script("save_on_some_ranks", "ddp", timeout=100)
     assert result.returncode == 0, result.explain()
     check_save_on_some_ranks(result.json())
-
-
-def test_a_scheduler_stepped_on_one_rank_is_refused_at_the_next_backward(script):
-    """`if rank == 0: scheduler.step()` (as after an evaluation on rank 0): each rank would
-    step its replica with its own learning rate and the replicas would part without a word.
-    The ranks compare a digest of their optimizers' hyperparameters in the same all-reduce as
-    their forward counts: the next backward raises on every rank, naming each rank's rate and
-    the fix; the next collective pairs. Steps with the scheduler on every rank equal plain
-    torch."""
-    result = script("scheduler_on_some_ranks", "ddp", timeout=100)
-    assert result.returncode == 0, result.explain()
-    check_scheduler_on_some_ranks(result.json())
 
 
 def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):

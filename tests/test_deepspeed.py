@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from _common import (
     assert_close,
     check_save_on_some_ranks,
-    check_scheduler_on_some_ranks,
     check_skip_on_gathering,
     make_data,
     make_model,
@@ -360,19 +359,6 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script, str
         assert "different numbers of training forwards" in out["native_error"], out["native_error"]
     assert [out["at"] for out in seen] == [3, 4]
     assert [out["native_at"] for out in seen] == [3, 4]
-
-
-@needs_deepspeed
-@pytest.mark.deepspeed_op
-@pytest.mark.timeout(RUN_S + 30)
-@pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"])
-def test_a_scheduler_stepped_on_one_rank_is_refused_at_the_next_backward(script, strategy):
-    """As under ddp (test_ddp.py): a scheduler stepped on rank 0 alone is refused at the next
-    lite.backward on every rank, before the engines step their partitions with different
-    rates; the comparison rides on the forward counts' all-reduce."""
-    result = script("scheduler_on_some_ranks", strategy, timeout=RUN_S)
-    assert result.returncode == 0, result.explain()
-    check_scheduler_on_some_ranks(result.json())
 
 
 def _clipped_reference(clip):

@@ -10,35 +10,13 @@ its communication hook (``ddp/counted.py``), DeepSpeed in ``lite.backward``
 (fsdp, model_parallel, ZeRO-3) the skipping rank's next forward would meet the others'
 backward first: the gather ledger (``lockstep.py``) refuses that forward with
 :func:`forward_past_backward`.
-
-The same all-reduce carries a digest of the optimizers' hyperparameters
-(:func:`settings_digest`: learning rates, momenta, ...). A scheduler stepped on some ranks only
-(``if rank == 0: scheduler.step(val_loss)`` after an evaluation on rank 0) would have each rank
-step its copy with another learning rate, and the replicas would part without a word. Where
-the digests differ, that backward raises on every rank (:func:`different_settings`), before
-the step. Under fsdp and model_parallel, which compare nothing at the backward, it is not
-checked.
 """
 
 from __future__ import annotations
 
-import array
-import hashlib
-import numbers
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 
-__all__ = [
-    "different_forwards",
-    "different_models",
-    "different_settings",
-    "forward_past_backward",
-    "ranges",
-    "settings_digest",
-    "spread",
-]
+__all__ = ["different_forwards", "different_models", "forward_past_backward", "ranges", "spread"]
 
 _DECIDE_TOGETHER = (
     'Decide a skip on every rank together: `skip = lite.all_reduce(float(not torch.isfinite(loss)), op="max") '
@@ -95,46 +73,4 @@ def forward_past_backward(forwards: int, since: int, elsewhere: dict[int, str], 
         f"without torch.no_grad()). {_DECIDE_TOGETHER}; evaluate under torch.no_grad() on every "
         "rank; or run the loop inside `with lite.join(model):`. The other ranks wait in their "
         "collectives, so this error ends the run."
-    )
-
-
-def _add_numbers(value: Any, into: list[float]) -> None:
-    """Append ``value``'s numbers to ``into`` (an int, a float, a bool, a tuple of them, a small
-    tensor's values); anything else is left out (an object's repr may hold its address)."""
-    if isinstance(value, numbers.Real):
-        into.append(float(value))
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _add_numbers(item, into)
-    elif isinstance(value, torch.Tensor) and value.numel() <= 16:
-        into.extend(float(x) for x in value.detach().flatten().tolist())
-
-
-def settings_digest(optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    """A 62-bit digest of the numeric hyperparameters of ``optimizers``' parameter groups
-    (``lr``, ``momentum``, ``betas``, ``weight_decay``, ...), in order: equal on every rank
-    whose optimizers step alike (62 bits: its negation is an int64 too, for :func:`spread`)."""
-    values: list[float] = []
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for key in sorted(group):
-                if key != "params":
-                    _add_numbers(group[key], values)
-    packed = array.array("d", values).tobytes()
-    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 2
-
-
-def different_settings(optimizers: Iterable[torch.optim.Optimizer], harm: str) -> RuntimeError:
-    """The error for ranks whose optimizers' hyperparameters differ at a backward (this
-    rank's ``optimizers`` named by their learning rates); ``harm``: what would follow."""
-    rates = [group.get("lr") for optimizer in optimizers for group in optimizer.param_groups]
-    rates = [float(r) if isinstance(r, (numbers.Number, torch.Tensor)) else r for r in rates]
-    return RuntimeError(
-        "The ranks' optimizers have different hyperparameters at this backward (learning "
-        f"rates, momenta, ...; this rank's learning rates: {rates}), so {harm}: an LR "
-        "scheduler was stepped on some ranks only (`if rank == 0: scheduler.step(val_loss)` "
-        "after an evaluation on rank 0), or with a value each rank computed for itself, or a "
-        "param group was changed on one rank. Step every scheduler on every rank with the "
-        'same value: `scheduler.step(float(lite.all_reduce(val_loss, op="mean")))`, or '
-        "`lite.broadcast(val_loss, src=0)` from the rank that evaluated."
     )

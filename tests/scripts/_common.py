@@ -226,13 +226,3 @@ def check_skip_on_gathering(result):
     assert "skipped backward was not refused" not in result.stderr, result.explain()
     for rank, out in enumerate(result.json()):
         assert_close(out["trained"], out["reference"], 1e-5, f"rank {rank} params")
-
-
-def check_scheduler_on_some_ranks(seen):
-    """scheduler_on_some_ranks.py's run: refused on every rank, each naming its own rate."""
-    for rank, out in enumerate(seen):
-        assert_close(out["trained"], out["reference"], 1e-5, f"rank {rank} params")
-        assert "The ranks' optimizers have different hyperparameters at this backward" in out["error"], out["error"]
-        assert f"this rank's learning rates: [{0.0125 if rank == 0 else 0.025}]" in out["error"], out["error"]
-        assert "scheduler.step(float(lite.all_reduce(val_loss" in out["error"], out["error"]
-        assert out["after"] == 3.0  # the next collective pairs

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from scopedlite._strategies.skipped_step import different_forwards, different_settings, ranges, settings_digest, spread
+from scopedlite._strategies.skipped_step import different_forwards, ranges, spread
 
 __all__ = ["ForwardCount", "count_of", "counted_backwards", "use_hook"]
 
@@ -39,17 +39,10 @@ class ForwardCount:
     gather ledger, which has a ``lite.save`` on some ranks only refused at once
     (``lockstep.py``), and whose counts start again where every rank refuses together."""
 
-    def __init__(
-        self,
-        hook: Callable[..., Any],
-        noted: Callable[[], None],
-        refused: Callable[[], None],
-        optimizers: Callable[[], list[torch.optim.Optimizer]],
-    ) -> None:
+    def __init__(self, hook: Callable[..., Any], noted: Callable[[], None], refused: Callable[[], None]) -> None:
         self.hook = hook
         self.noted = noted
         self.refused = refused
-        self.optimizers = optimizers  # the run's, whose hyperparameters the ranks compare too
         self.state: Any = None
         self.forwards = 0
         self.paused = False  # inside lite.join
@@ -61,29 +54,25 @@ class ForwardCount:
 
 
 def counted_backwards(
-    count_group: Any,
-    noted: Callable[[], None],
-    refused: Callable[[], None],
-    optimizers: Callable[[], list[torch.optim.Optimizer]],
+    count_group: Any, noted: Callable[[], None], refused: Callable[[], None]
 ) -> Callable[[Any, Any], Any]:
     """The communication hook to register on a set-up DDP model (``state`` is unused: the
     reducing hook's state is kept in its :class:`ForwardCount`). ``count_group``: where the
     counts travel, a CPU group (None: the default group, gloo); ``noted``: told of each
-    training forward; ``refused``: of a refusal (on every rank together); ``optimizers``: the
-    run's set-up optimizers, whose hyperparameters the ranks compare with the counts."""
+    training forward; ``refused``: of a refusal (on every rank together)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    count = ForwardCount(allreduce_hook, noted, refused, optimizers)
+    count = ForwardCount(allreduce_hook, noted, refused)
 
     def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = count.hook(count.state, bucket)
         if not bucket.is_last() or count.paused:
             return reduced
         n = count.forwards
-        extremes = spread(n, settings_digest(count.optimizers()))
+        extremes = spread(n)
         compared = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
         both = torch.futures.collect_all([reduced, compared.get_future()])
-        return both.then(lambda done: _verdict(done, n, extremes, reduced, count))
+        return both.then(lambda done: _verdict(done, n, extremes, reduced, count.refused))
 
     # DDP checks a hook's annotations as objects; under `from __future__ import annotations`
     # they are strings
@@ -97,20 +86,15 @@ def _verdict(
     mine: int,
     extremes: torch.Tensor,
     reduced: torch.futures.Future[Any],
-    count: ForwardCount,
+    refused: Callable[[], None],
 ) -> Any:
     # Either exchange failing (a peer gone) completes ``done`` at once with that error, the
     # other maybe still under way: raise it as it is, as DDP's own reduction would.
     done.value()
-    (least, most), settings = ranges(extremes)
+    ((least, most),) = ranges(extremes)
     if most != least:
-        count.refused()
+        refused()
         raise different_forwards(mine, least, most, "DDP would average gradients of different steps")
-    if settings[0] != settings[1]:
-        count.refused()
-        raise different_settings(
-            count.optimizers(), "each rank would step its copy differently and the replicas would part"
-        )
     return reduced.value()
 
 

@@ -104,8 +104,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
         # Every rank runs the same synchronised backwards, or all refuse at once (counted.py).
         refused = self._ledger.realign if self._ledger is not None else _nothing
-        hook = counted_backwards(self._rounds_group(), self._note_forward, refused, self.set_up.optimizers)
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, counted_backwards(self._rounds_group(), self._note_forward, refused))
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
         # Rank 0's buffers at the end of each training forward, not at the start of the next:

@@ -33,14 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._strategies.skipped_step import (
-    different_forwards,
-    different_models,
-    different_settings,
-    ranges,
-    settings_digest,
-    spread,
-)
+from scopedlite._strategies.skipped_step import different_forwards, different_models, ranges, spread
 from scopedlite._strategies.user_model import method_running
 
 __all__ = ["BackwardCounts"]
@@ -53,8 +46,6 @@ class BackwardCounts:
         self.group: Any = None  # made with the first model set up to train (every rank sets it up)
         # told of a refusal (made on every rank together): the gather ledger's counts start again
         self.refused: Callable[[], None] | None = None
-        # the run's optimizers, whose hyperparameters the ranks compare with the counts
-        self.optimizers: Callable[[], list[torch.optim.Optimizer]] = list
         self.forwards: dict[int, int] = {}  # model's place in setup order -> training forwards
         self.paused = False  # inside lite.join
 
@@ -81,19 +72,17 @@ class BackwardCounts:
             yield
             return
         mine = self.forwards.get(place, 0)
-        extremes = spread(place, mine, settings_digest(self.optimizers()))
+        extremes = spread(place, mine)
         work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         yield  # an error of the backward is raised as it is, the comparison left unread
         work.wait()  # a peer gone: its error, as DeepSpeed's own reduction would raise
-        places, counts, settings = ranges(extremes)
-        if any(least != most for least, most in (places, counts, settings)) and self.refused is not None:
+        places, counts = ranges(extremes)
+        if (places[0] != places[1] or counts[0] != counts[1]) and self.refused is not None:
             self.refused()
         if places[0] != places[1]:
             raise different_models(*places)
         if counts[0] != counts[1]:
             raise different_forwards(mine, *counts, "DeepSpeed would reduce gradients of different steps")
-        if settings[0] != settings[1]:
-            raise different_settings(self.optimizers(), "each rank would step its partition differently")
 
     def pause(self, paused: bool) -> None:
         """Entering (True) or leaving (False, every rank together) a ``lite.join`` block."""

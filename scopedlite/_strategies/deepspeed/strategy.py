@@ -173,7 +173,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 else None
             )
             self._counts.refused = self._ledger.realign if self._ledger is not None else None
-            self._counts.optimizers = self._user_optimizers
         except BaseException:
             self.stop()  # leave no process group or environment variable behind
             raise
@@ -309,10 +308,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             noted = self._note_forward if self._ledger is not None and not self._ledger.gathers else None
             engine.register_forward_pre_hook(lambda *_: counts.forward(place, noted))
         return model, [] if optimizer is None else [optimizer]
-
-    def _user_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers set up with the run's engines, in setup order."""
-        return [record.optimizer for record in self.engines.records() if record.optimizer is not None]
 
     def engine(self, model: torch.nn.Module) -> Any:
         """The ``deepspeed.DeepSpeedEngine`` behind ``model`` (what ``lite.setup`` returned):
