@@ -342,6 +342,7 @@ def _check_strategy(strategy: object) -> Strategy | str:
 
 
 def _check_devices(devices: object) -> str | int | tuple[int, ...]:
+    given = devices  # named as the user wrote it (devices='0', not the 0 read from it)
     if isinstance(devices, str):
         text = devices.strip()
         if text == "auto":
@@ -362,21 +363,18 @@ def _check_devices(devices: object) -> str | int | tuple[int, ...]:
         )
     if isinstance(devices, int):
         if devices <= 0:
-            raise ValueError(f"devices={devices!r} is not valid: the number of devices must be at least 1 (or 'auto').")
+            raise ValueError(f"devices={given!r} is not valid: the number of devices must be at least 1 (or 'auto').")
         return devices
     indices = tuple(devices)
     if not indices:
-        raise ValueError("devices=[] is not valid: name at least one device index, e.g. [0].")
+        raise ValueError(f"devices={given!r} is not valid: name at least one device index, e.g. [0].")
     for index in indices:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(
-                f"devices={list(indices)!r} is not valid: indices must be non-negative ints, got {index!r}."
-            )
+            raise ValueError(f"devices={given!r} is not valid: indices must be non-negative ints, got {index!r}.")
     if len(set(indices)) != len(indices):
         duplicates = sorted({i for i in indices if indices.count(i) > 1})
         raise ValueError(
-            f"devices={list(indices)!r} is not valid: index {duplicates} appears more than "
-            "once; each device runs one process."
+            f"devices={given!r} is not valid: index {duplicates} appears more than once; each device runs one process."
         )
     return indices
 

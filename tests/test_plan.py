@@ -44,6 +44,10 @@ BAD = [
     ({"devices": []}, GPU4, ValueError, ["devices=[]"]),
     ({"devices": [0, 7]}, GPU4, ValueError, ["devices=[0, 7]", "[7]"]),
     ({"devices": "two"}, CPU, ValueError, ["devices='two'"]),
+    # a string is named as written, not as the value read from it
+    ({"devices": "0"}, CPU, ValueError, ["devices='0'", "at least 1"]),
+    ({"devices": ","}, GPU4, ValueError, ["devices=','", "at least one device index"]),
+    ({"devices": "1,1"}, GPU4, ValueError, ["devices='1,1'", "more than once"]),
     ({"devices": [0, 1], "accelerator": "cpu"}, CPU, ValueError, ["devices=[0, 1]", "devices=2"]),
     ({"devices": 8, "accelerator": "cuda"}, GPU4, ValueError, ["devices=8", "4 CUDA"]),
     ({"accelerator": "cuda"}, CPU, ValueError, ["accelerator='cuda'", "no CUDA device"]),
