@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, check_save_on_some_ranks, reference_training
+from _common import assert_close, check_save_on_some_ranks, check_scheduler_on_some_ranks, reference_training
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,6 +94,21 @@ def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script):
     result = script("save_on_some_ranks", "ddp", timeout=100)
     assert result.returncode == 0, result.explain()
     check_save_on_some_ranks(result.json())
+
+
+@pytest.mark.parametrize("asymmetry", ["scheduler", "step"])
+def test_a_scheduler_or_step_on_one_rank_is_refused_at_the_next_backward(script, asymmetry):
+    """`if rank == 0: scheduler.step()` (as after an evaluation on rank 0), or one more
+    `optimizer.step()` on rank 1: each rank would step its replica its own way and the replicas
+    would part without a word. The all-reduce that compares the forward counts carries a digest
+    of the optimizers that stepped since the last backward (how often, and their
+    hyperparameters as they are now): the next backward raises on every rank, naming what its
+    optimizer did and the fix; the next collective pairs. Before it, a correct script (a model
+    dropped while rank 1 still holds it, a join block over uneven batches, the scheduler on
+    every rank) is not refused and equals plain torch."""
+    result = script("scheduler_on_some_ranks", "ddp", asymmetry, timeout=100)
+    assert result.returncode == 0, result.explain()
+    check_scheduler_on_some_ranks(result.json(), asymmetry)
 
 
 def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):

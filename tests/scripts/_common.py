@@ -226,3 +226,22 @@ def check_skip_on_gathering(result):
     assert "skipped backward was not refused" not in result.stderr, result.explain()
     for rank, out in enumerate(result.json()):
         assert_close(out["trained"], out["reference"], 1e-5, f"rank {rank} params")
+
+
+def check_scheduler_on_some_ranks(seen, asymmetry):
+    """scheduler_on_some_ranks.py's run (``asymmetry``: ``scheduler`` on rank 0 or ``step`` on
+    rank 1): the correct part equals plain torch; then refused on every rank, each naming what
+    its own optimizer did."""
+    for rank, out in enumerate(seen):
+        assert_close(out["trained"], out["reference"], 1e-5, f"rank {rank} params")
+        assert out["lr"] == out["lr_ref"] == 0.0125, out  # three scheduler steps
+        error = out["error"]
+        assert error is not None, f"rank {rank}: the backward after the asymmetry was not refused"
+        assert "The ranks' optimizers stepped differently since the previous backward" in error, error
+        assert out["refused_at"] == (1 if asymmetry == "scheduler" else 0), out["refused_at"]
+        if asymmetry == "scheduler":
+            assert f"stepped 1 time(s), the last at learning rates [{0.00625 if rank == 0 else 0.0125}]" in error, error
+        else:
+            assert f"stepped {2 if rank == 1 else 1} time(s), the last at learning rates [0.0125]" in error, error
+        assert "scheduler.step(float(lite.all_reduce(val_loss" in error, error
+        assert out["after"] == 3.0  # the next collective pairs

@@ -11,7 +11,9 @@ hook, or the one the user registers: :func:`use_hook`) and, with the last bucket
 backward, the ranks compare how many training forwards (gradients enabled) of the model each
 has run: one all-reduce of two integers, on a CPU group (the model's under gloo; under NCCL a
 gloo group beside it, so that no device synchronises). Where they differ, that backward
-raises on every rank, before an optimizer step uses its gradients.
+raises on every rank, before an optimizer step uses its gradients. The same all-reduce
+carries a digest of the optimizers that stepped since, and of their hyperparameters
+(``stepped.py``): a scheduler stepped on some ranks only is refused there too.
 
 Inside ``lite.join`` the ranks run different numbers of their own forwards on purpose (the
 join protocol keeps them in step): the comparison pauses there, and the counts start again
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._strategies.skipped_step import different_forwards, ranges, spread
+from scopedlite._strategies.stepped import SteppedOptimizers, different_settings
 
 __all__ = ["ForwardCount", "count_of", "counted_backwards", "use_hook"]
 
@@ -37,12 +40,21 @@ class ForwardCount:
 
     ``noted`` is told of each training forward too, and ``refused`` of a refusal: the run's
     gather ledger, which has a ``lite.save`` on some ranks only refused at once
-    (``lockstep.py``), and whose counts start again where every rank refuses together."""
+    (``lockstep.py``), and whose counts start again where every rank refuses together (None:
+    no ledger, one rank). ``stepped``: the run's optimizers that stepped since the ranks last
+    compared."""
 
-    def __init__(self, hook: Callable[..., Any], noted: Callable[[], None], refused: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        hook: Callable[..., Any],
+        noted: Callable[[], None],
+        refused: Callable[[], None] | None,
+        stepped: SteppedOptimizers,
+    ) -> None:
         self.hook = hook
         self.noted = noted
         self.refused = refused
+        self.stepped = stepped
         self.state: Any = None
         self.forwards = 0
         self.paused = False  # inside lite.join
@@ -54,25 +66,26 @@ class ForwardCount:
 
 
 def counted_backwards(
-    count_group: Any, noted: Callable[[], None], refused: Callable[[], None]
+    count_group: Any, noted: Callable[[], None], refused: Callable[[], None] | None, stepped: SteppedOptimizers
 ) -> Callable[[Any, Any], Any]:
     """The communication hook to register on a set-up DDP model (``state`` is unused: the
     reducing hook's state is kept in its :class:`ForwardCount`). ``count_group``: where the
     counts travel, a CPU group (None: the default group, gloo); ``noted``: told of each
-    training forward; ``refused``: of a refusal (on every rank together)."""
+    training forward; ``refused``: of a refusal (on every rank together); ``stepped``: the
+    run's optimizers that stepped, compared with the counts."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    count = ForwardCount(allreduce_hook, noted, refused)
+    count = ForwardCount(allreduce_hook, noted, refused, stepped)
 
     def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = count.hook(count.state, bucket)
         if not bucket.is_last() or count.paused:
             return reduced
         n = count.forwards
-        extremes = spread(n)
+        extremes = spread(n, count.stepped.digest())
         compared = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=count_group, async_op=True)
         both = torch.futures.collect_all([reduced, compared.get_future()])
-        return both.then(lambda done: _verdict(done, n, extremes, reduced, count.refused))
+        return both.then(lambda done: _verdict(done, n, extremes, reduced, count))
 
     # DDP checks a hook's annotations as objects; under `from __future__ import annotations`
     # they are strings
@@ -86,15 +99,20 @@ def _verdict(
     mine: int,
     extremes: torch.Tensor,
     reduced: torch.futures.Future[Any],
-    refused: Callable[[], None],
+    count: ForwardCount,
 ) -> Any:
     # Either exchange failing (a peer gone) completes ``done`` at once with that error, the
     # other maybe still under way: raise it as it is, as DDP's own reduction would.
     done.value()
-    ((least, most),) = ranges(extremes)
+    (least, most), settings = ranges(extremes)
+    if (most != least or settings[0] != settings[1]) and count.refused is not None:
+        count.refused()
     if most != least:
-        refused()
         raise different_forwards(mine, least, most, "DDP would average gradients of different steps")
+    if settings[0] != settings[1]:
+        raise different_settings(
+            count.stepped, "each rank stepped its replica its own way and the replicas no longer agree"
+        )
     return reduced.value()
 
 

@@ -18,6 +18,7 @@ from scopedlite._strategies.lockstep import GatherLedger
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.set_up import foreign_parameter, parameters_outside
+from scopedlite._strategies.stepped import SteppedOptimizers
 from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     def start(self, placement: Placement, rendezvous: Rendezvous | None) -> None:
         super().start(placement, rendezvous)
         self.scaling = GradientScaling.for_placement(placement)
+        self._stepped = SteppedOptimizers()  # the optimizers that stepped since the last backward
         # Each rank notes its training forwards, so that lite.save on some ranks only is
         # refused at once, not left to meet the others' next backward (lockstep.py).
         self._ledger = (
@@ -103,8 +105,9 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         device_ids = [self.placement.device.index] if self.placement.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options)
         # Every rank runs the same synchronised backwards, or all refuse at once (counted.py).
-        refused = self._ledger.realign if self._ledger is not None else _nothing
-        ddp.register_comm_hook(None, counted_backwards(self._rounds_group(), self._note_forward, refused))
+        refused = self._ledger.realign if self._ledger is not None else None
+        hook = counted_backwards(self._rounds_group(), self._note_forward, refused, self._stepped)
+        ddp.register_comm_hook(None, hook)
         # Answers the user's attributes, methods and plain state dict keys (user_model.py).
         present_as_user_model(ddp, SetUpDDP)
         # Rank 0's buffers at the end of each training forward, not at the start of the next:
@@ -118,6 +121,7 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         if foreign:
             self._refuse_training_foreign(optimizer, foreign)
         self.set_up.add_optimizer(optimizer)
+        self._stepped.watch(optimizer, self.set_up)  # compared at each backward (stepped.py)
         return self.scaling.wrap_optimizer(optimizer, self.set_up)
 
     def _refuse_training_foreign(self, optimizer: torch.optim.Optimizer, foreign: list[tuple[int, Any]]) -> None:
@@ -126,9 +130,11 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         would drift apart without a word. Such a parameter is refused at the first step that
         would train it (it has a gradient), on every rank alike; one whose model is set up
         later (``lite.setup(g, opt)``, then ``lite.setup(d)``) is fine. Checked by a step
-        pre-hook that ends once every such parameter found its model, and at the run's end."""
+        pre-hook until every such parameter found its model, and at the run's end."""
 
         def check(*_: Any) -> None:
+            if not foreign:  # each found its model (the hook stays: torch is iterating the hooks)
+                return
             held = self.set_up.parameter_ids()
             foreign[:] = [(index, p) for index, p in foreign if id(p) not in held]
             for index, param in foreign:
@@ -139,11 +145,8 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
                         "that belongs to no model set up in this run",
                         ": DDP averages only its models' gradients, so each rank would train its own copy of it",
                     )
-            if not foreign:
-                handle.remove()
 
-        handle = optimizer.register_step_pre_hook(check)
-        self.set_up.at_end(handle.remove)
+        self.set_up.at_end(optimizer.register_step_pre_hook(check).remove)
 
     def join(self, joinables: tuple[Any, ...], divide_by_initial_world_size: bool) -> Any:
         # inside the block the ranks run different numbers of their own forwards on purpose
@@ -187,7 +190,3 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
     ) -> DDPJoinHook:
         refuse_what_join_cannot_replay(models, optimizers)
         return DDPJoinHook(self, models, divide_by_initial_world_size, self.placement.world_size)
-
-
-def _nothing() -> None:
-    """What a refusal tells where no ledger is kept (one rank)."""

@@ -9,12 +9,13 @@ DDP (``ddp/counted.py``), the ranks compare how many training forwards (gradient
 the model each ran before the backward: the skipping rank ran one more.
 
 DeepSpeed has no communication hook to carry the comparison, so ``lite.backward`` carries it:
-one all-reduce of four integers (the model's place in setup order and its count, as
-``skipped_step.spread`` puts them), started without waiting before ``engine.backward`` and read after it,
-once the backward's own reductions have brought the ranks together. It travels on a gloo group
-of its own: on DeepSpeed's group its place among the reductions would differ on the rank that
-skipped. Where the counts differ, that ``lite.backward`` raises on every rank, before an
-optimizer step applies the mixed gradients. DeepSpeed's own ``model.backward(loss)`` is
+one all-reduce of six integers (the model's place in setup order, its count and a digest of the
+optimizers that stepped since, ``stepped.py``, as ``skipped_step.spread`` puts them), started
+without waiting before ``engine.backward`` and read after it, once the backward's own
+reductions have brought the ranks together. It travels on a gloo group of its own: on
+DeepSpeed's group its place among the reductions would differ on the rank that skipped. Where
+the counts or digests differ, that ``lite.backward`` raises on every rank, before an optimizer
+step applies the mixed gradients. DeepSpeed's own ``model.backward(loss)`` is
 ``lite.backward(loss)`` on the set-up model (``engines.EngineView``), so it is checked too.
 
 Where a forward gathers parameters (ZeRO-3) the skipping rank's next forward would meet the
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._strategies.skipped_step import different_forwards, different_models, ranges, spread
+from scopedlite._strategies.stepped import SteppedOptimizers, different_settings
 from scopedlite._strategies.user_model import method_running
 
 __all__ = ["BackwardCounts"]
@@ -47,6 +49,7 @@ class BackwardCounts:
         # told of a refusal (made on every rank together): the gather ledger's counts start again
         self.refused: Callable[[], None] | None = None
         self.forwards: dict[int, int] = {}  # model's place in setup order -> training forwards
+        self.stepped = SteppedOptimizers()  # compared with the counts (stepped.py)
         self.paused = False  # inside lite.join
 
     def start(self) -> None:
@@ -72,17 +75,21 @@ class BackwardCounts:
             yield
             return
         mine = self.forwards.get(place, 0)
-        extremes = spread(place, mine)
+        extremes = spread(place, mine, self.stepped.digest())
         work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         yield  # an error of the backward is raised as it is, the comparison left unread
         work.wait()  # a peer gone: its error, as DeepSpeed's own reduction would raise
-        places, counts = ranges(extremes)
-        if (places[0] != places[1] or counts[0] != counts[1]) and self.refused is not None:
+        places, counts, settings = ranges(extremes)
+        if any(least != most for least, most in (places, counts, settings)) and self.refused is not None:
             self.refused()
         if places[0] != places[1]:
             raise different_models(*places)
         if counts[0] != counts[1]:
             raise different_forwards(mine, *counts, "DeepSpeed would reduce gradients of different steps")
+        if settings[0] != settings[1]:
+            raise different_settings(
+                self.stepped, "each rank stepped its partition its own way and the model is no longer one model"
+            )
 
     def pause(self, paused: bool) -> None:
         """Entering (True) or leaving (False, every rank together) a ``lite.join`` block."""

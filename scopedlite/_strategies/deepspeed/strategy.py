@@ -296,7 +296,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             engine.register_forward_pre_hook(nesting.enter, prepend=True)
             engine.register_forward_hook(nesting.leave, always_call=True)
         # optimizer.step() and DeepSpeed's own model.step() take the engine's step
-        step = _route_step_through_engine(optimizer, engine, self.set_up) if optimizer is not None else None
+        step = None
+        if optimizer is not None:
+            # the ranks compare the optimizers that stepped at each backward (stepped.py)
+            noted = self._counts.stepped.noter(optimizer) if self.placement.world_size > 1 else None
+            step = _route_step_through_engine(optimizer, engine, self.set_up, noted)
         # What the user gets is the user's model (engines.py), released when dropped.
         model = user_facing(engine, self.backward_model, step, nesting)
         record = self.engines.add(model, engine, optimizer)
@@ -474,7 +478,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
 
 def _route_step_through_engine(
-    optimizer: torch.optim.Optimizer, engine: Any, set_up: SetUpObjects
+    optimizer: torch.optim.Optimizer, engine: Any, set_up: SetUpObjects, noted: Callable[[], None] | None
 ) -> Callable[..., Any]:
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
@@ -483,10 +487,13 @@ def _route_step_through_engine(
     and LR schedulers built on it keep working. Returns what DeepSpeed's own ``model.step()``
     runs: ``engine.step()`` marked as the engine's, so that its call into the optimizer reaches
     the real step there too (before, it was rerouted back into a second ``engine.step()``).
+    ``noted``: told of each step (None: nothing to tell).
     """
     original_zero_grad = optimizer.zero_grad
 
     def engine_step(*args: Any, **kwargs: Any) -> Any:
+        if noted is not None:
+            noted()
         with filtered_warnings():
             return engine.step(*args, **kwargs)
 

@@ -1,0 +1,144 @@
+"""The steps the optimizers took since the ranks last compared, and a digest of them.
+
+An LR scheduler stepped on some ranks only (``if rank == 0: scheduler.step(val_loss)`` after
+an evaluation on rank 0, or ``scheduler.step(loss)`` with each rank's own loss) has each rank
+step its replica with its own learning rate: under DDP and DeepSpeed the replicas part without
+a word, and ``lite.save`` writes rank 0's. The ranks already compare their training forwards
+with one all-reduce at each backward that reduces gradients (``ddp/counted.py``,
+``deepspeed/counted.py``); that all-reduce also carries :meth:`SteppedOptimizers.digest`, and
+where the digests differ the backward raises on every rank (:func:`different_settings`).
+
+What is digested: each step an optimizer set up in the run took since the last comparison, by
+the optimizer's setup place and the numbers of its parameter groups the step used (``lr``,
+``momentum``, ``betas``, ``weight_decay``, ...), read just before it (torch's public
+``Optimizer.register_step_pre_hook``; under DeepSpeed the engine step that the user's
+``optimizer.step()`` runs). So the first step taken with a rate one rank changed alone is
+refused at the next backward, before a second one. Every rank of a correct program takes the
+same steps with the same numbers, and a ``lite.join`` block's joined ranks replay the others'
+steps, so the digests agree; an optimizer stepped on one rank only is refused too.
+
+Why not the numbers as they are at the comparison, which would refuse one step earlier: that
+needs the optimizers themselves at the comparison. Holding the ones that stepped until then
+keeps a model the user dropped (its parameters, on its device) alive into the next one's
+setup; reading the ones still alive depends on each rank's garbage collector (a dropped
+optimizer one rank has not collected yet), and a digest of those refused correct scripts.
+What a step used is known to every rank alike, whatever it later drops.
+
+Under fsdp and model_parallel nothing is compared at the backward, so this is not checked
+there (docs/strategies.md).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import numbers
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from scopedlite._strategies.set_up import SetUpObjects
+
+__all__ = ["SteppedOptimizers", "different_settings"]
+
+
+class SteppedOptimizers:
+    """The steps the optimizers of one run took since the last :meth:`digest`."""
+
+    def __init__(self) -> None:
+        self._places = 0
+        self._steps: dict[int, _Steps] = {}  # setup place -> its steps, until digested
+        self.last: list[tuple[int, int, list[float]]] = []  # the last digest's (place, steps, last rates)
+
+    def noter(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Give ``optimizer`` the next place; returns what notes a step of it, called just
+        before the step (DeepSpeed's engine step, once per user's step). Holds the optimizer
+        weakly."""
+        self._places += 1
+        place, held = self._places, weakref.ref(optimizer)
+
+        def noted() -> None:
+            stepping = held()
+            if stepping is not None:
+                self._steps.setdefault(place, _Steps()).add(stepping.param_groups)
+
+        return noted
+
+    def watch(self, optimizer: torch.optim.Optimizer, set_up: SetUpObjects) -> None:
+        """Note each step of ``optimizer`` (set up in the run of ``set_up``) until the run
+        ends: torch's step pre-hook, run by the optimizer's real step whoever calls it."""
+        noted = self.noter(optimizer)
+        set_up.at_end(optimizer.register_step_pre_hook(lambda *_: noted()).remove)
+
+    def digest(self) -> int:
+        """A 62-bit digest of the steps taken since the last call: each optimizer's place,
+        its number of steps and the numbers they used; starts the next interval (62 bits: it
+        is sent with its negation in an int64 tensor, ``skipped_step.spread``)."""
+        total = hashlib.blake2b(digest_size=8)
+        self.last = []
+        for place, steps in sorted(self._steps.items(), key=lambda item: item[0]):
+            total.update(array.array("q", [place, steps.count]).tobytes() + steps.used.digest())
+            self.last.append((place, steps.count, steps.rates))
+        self._steps.clear()
+        return int.from_bytes(total.digest(), "little") >> 2
+
+
+class _Steps:
+    """One optimizer's steps in an interval: how many, a running digest of the numbers each
+    used, and the learning rates of the latest (for the error)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.used = hashlib.blake2b(digest_size=8)
+        self.rates: list[float] = []
+
+    def add(self, groups: list[dict[str, Any]]) -> None:
+        values: list[float] = [float(len(groups))]
+        for group in groups:
+            for key in sorted(group):
+                if key != "params":
+                    _add_numbers(group[key], values)
+        self.count += 1
+        self.used.update(array.array("d", values).tobytes())
+        self.rates = [_rate(group.get("lr")) for group in groups]
+
+
+def _add_numbers(value: Any, into: list[float]) -> None:
+    """Append ``value``'s numbers to ``into`` (an int, a float, a bool, a tuple of them, a small
+    tensor's values); anything else is left out (an object's repr may hold its address)."""
+    if isinstance(value, numbers.Real):
+        into.append(float(value))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _add_numbers(item, into)
+    elif isinstance(value, torch.Tensor) and value.numel() <= 16:
+        into.extend(float(x) for x in value.detach().flatten().tolist())
+
+
+def _rate(value: Any) -> float:
+    """A learning rate as a float (NaN where it is not one number)."""
+    one = isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    return float(value) if one else float("nan")
+
+
+def different_settings(stepped: SteppedOptimizers, harm: str) -> RuntimeError:
+    """The error for ranks whose optimizers' steps since the last comparison differ (this
+    rank's, from ``stepped.last``); ``harm``: what they did to the model."""
+    mine = "; ".join(
+        f"optimizer {place} (in setup order) stepped {count} time(s), the last at learning rates {rates}"
+        for place, count, rates in stepped.last
+    )
+    return RuntimeError(
+        "The ranks' optimizers stepped differently since the previous backward: a different "
+        "number of times, or with different hyperparameters (learning rates, momenta, ...). "
+        f"This rank: {mine or 'no optimizer stepped'}. So {harm}. An LR scheduler was stepped "
+        "on some ranks only (`if rank == 0: scheduler.step(val_loss)` after an evaluation on "
+        "rank 0), or with a value each rank computed for itself (its own loss), or a param "
+        "group was changed, or an optimizer stepped, on one rank only. Step every optimizer "
+        "and scheduler on every rank, with the same value: "
+        '`scheduler.step(float(lite.all_reduce(val_loss, op="mean")))`, or '
+        "`lite.broadcast(val_loss, src=0)` from the rank that evaluated; then start again from "
+        "a checkpoint saved before this point."
+    )

@@ -1,0 +1,106 @@
+"""An LR scheduler stepped on rank 0 alone (``if rank == 0: scheduler.step(...)``, as after an
+evaluation on rank 0), or an optimizer stepped once more on rank 1 alone, outside lite.join,
+under ddp or DeepSpeed (argv: strategy, then ``scheduler`` or ``step``): refused on every rank
+at once, naming what each rank's optimizer did and the fix, at the backward after the first
+step that differs (the scheduler's: the second backward after it, one step with different
+rates taken; the extra step's: the next one). Before, the replicas parted without a word.
+
+First what a correct script does, which must not be refused and equals plain torch:
+- a first model and optimizer are set up, trained one step and dropped; rank 1 still holds
+  them (as a garbage collector that has not run yet would). What is compared is the
+  optimizers that step, not the ones still alive (an earlier digest of those refused this);
+- the second model trains two steps with its scheduler stepped on every rank;
+- a lite.join block over uneven batches (rank 0 two, rank 1 one: rank 1's optimizer step is
+  replayed while it is joined), then the scheduler on every rank, then one step outside join.
+After the refusal, caught, the next collective pairs.
+"""
+
+import sys
+
+import torch
+
+import scopedlite as lite
+from _common import from_every_rank, make_model, params, write
+
+LR = 0.1
+
+
+def batches(rank, n):
+    g = torch.Generator().manual_seed(40 + rank)
+    return [torch.randn(4, 4, generator=g) for _ in range(n)]
+
+
+def loss_of(model, x):
+    return model(x).pow(2).mean()
+
+
+def reference():
+    """Plain torch, one process, the steps the ranks take together before the refusal."""
+    data = [batches(r, 6) for r in (0, 1)]
+    first = make_model(1)
+    first_opt = torch.optim.SGD(first.parameters(), lr=LR)
+    (sum(loss_of(first, data[r][0]) for r in (0, 1)) / 2).backward()
+    first_opt.step()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def step(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in (1, 2):
+        step(sum(loss_of(model, data[r][i]) for r in (0, 1)) / 2)
+        sched.step()
+    step(sum(loss_of(model, data[r][3]) for r in (0, 1)) / 2)  # in join, both ranks have data
+    step(loss_of(model, data[0][4]) / 2)  # rank 1 joined: its share is zero, divided by 2
+    sched.step()
+    step(sum(loss_of(model, data[r][5]) for r in (0, 1)) / 2)
+    return params(model), opt.param_groups[0]["lr"]
+
+
+def train(model, opt, x):
+    lite.backward(loss_of(model, x))
+    opt.step()
+    opt.zero_grad()
+
+
+strategy, asymmetry = sys.argv[1], sys.argv[2]
+with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
+    rank = run.global_rank
+    data = batches(rank, 8)
+    first_net = make_model(1)
+    first, first_opt = lite.setup(first_net, torch.optim.SGD(first_net.parameters(), lr=LR))
+    train(first, first_opt, data[0])
+    kept = [first, first_opt] if rank == 1 else []  # rank 1 alone still holds them
+    del first, first_opt, first_net
+
+    net = make_model()
+    model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x in data[1:3]:
+        train(model, opt, x)
+        sched.step()
+    with lite.join(model):
+        for x in data[3:5] if rank == 0 else data[3:4]:
+            train(model, opt, x)
+    sched.step()
+    train(model, opt, data[5])
+    expected, lr = reference()
+    out = {"trained": params(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
+    out["error"] = out["refused_at"] = None
+    if asymmetry == "scheduler" and rank == 0:
+        sched.step()  # rank 0 alone: its rate halves once more
+    if asymmetry == "step" and rank == 1:
+        opt.step()  # rank 1 alone steps once more
+    for i, x in enumerate(data[6:8]):
+        try:
+            train(model, opt, x)
+        except RuntimeError as e:
+            out["error"], out["refused_at"] = str(e), i
+            break
+    out["after"] = float(lite.all_reduce(torch.tensor(float(rank + 1)), op="sum"))
+    seen = from_every_rank(out)
+    if rank == 0:
+        write(seen)
