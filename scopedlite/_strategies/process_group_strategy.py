@@ -45,8 +45,9 @@ class ProcessGroupStrategy(Strategy):
             ``"fork"`` forks (notebooks). None picks by where the code runs.
     """
 
-    # Where sharded strategies (FSDP, ZeRO-3) note their gathering steps and our collectives,
-    # so that a forward or method on some ranks only is refused, not left to hang (lockstep.py).
+    # Where the strategy notes each rank's steps (training forwards; under FSDP and ZeRO-3 every
+    # gathering step) and our collectives, so that a call on some ranks only is refused, not
+    # left to hang (lockstep.py). Made by the strategy's start, let go of in stop.
     _ledger: GatherLedger | None = None
 
     def __init__(self, process_group_backend: str | None = None, start_method: str | None = None) -> None:
@@ -105,6 +106,8 @@ class ProcessGroupStrategy(Strategy):
             )
 
     def stop(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
         super().stop()
         self._join_group = None
         if self.connection is not None:

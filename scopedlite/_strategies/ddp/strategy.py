@@ -89,11 +89,6 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
             else None
         )
 
-    def stop(self) -> None:
-        if getattr(self, "_ledger", None) is not None:
-            self._ledger.close()
-        super().stop()
-
     # -- modules and optimizers ---------------------------------------------------------
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, DistributedDataParallel):

@@ -218,8 +218,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def stop(self) -> None:
         if getattr(self, "_torch_clipping", None) is not None:
             self._torch_clipping.close()
-        if getattr(self, "_ledger", None) is not None:
-            self._ledger.close()
         # The run's registry ends first: each engine's hooks and buffers released, each
         # optimizer's own step given back (set_up.py).
         Strategy.stop(self)

@@ -234,8 +234,6 @@ class FSDPStrategy(ProcessGroupStrategy):
     def stop(self) -> None:
         if getattr(self, "_run_patches", None) is not None:
             self._run_patches.close()
-        if getattr(self, "_ledger", None) is not None:
-            self._ledger.close()
         self._fsdp_mesh = None
         self._checkpoint_group = None  # destroyed with the default group
         super().stop()
