@@ -137,6 +137,7 @@ OWN_HELPERS = {
     "owner_of": "fsdp: the FSDP root of an optimizer, for its checkpoints and join",
     "build_config": "deepspeed: the engine's config, at setup",
     "note_collective": "sharded strategies: join rounds note themselves in the gather ledger (lockstep.py)",
+    "cannot_go_on": "process-group strategies: the join session ends a rank that left the others in their gathers",
     "join_left": "sharded strategies: the gather ledger starts its counts again after a join block",
     "syncs_buffers": "ddp: whether a model broadcasts its buffers, read by its join replays",
     "checkpoint_group": "fsdp: the gloo group its background saves talk over (fsdp/checkpoint.py)",

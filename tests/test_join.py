@@ -130,6 +130,33 @@ def test_broadcast_from_a_rank_that_left_join_is_an_error_not_a_hang(script):
     assert "raised on rank 0 of 2" in result.stderr  # before launch(timeout=300): no timeout ended it
 
 
+@pytest.mark.parametrize(
+    ("strategy", "catch"),
+    [("fsdp", "uncaught"), ("fsdp", "inside"), ("fsdp", "outside"), ("deepspeed_stage_3", "inside")],
+)
+def test_a_forward_raising_midway_on_one_rank_ends_the_run_with_its_error(script, strategy, catch):
+    """Rank 1's forward raises between two of its gathers inside lite.join; rank 0 waits in
+    the next one. The abort round of the protocol met that all-gather and gloo aborted the
+    process, the user's KeyError lost (under NCCL: a hang). Now the run ends at once with the
+    KeyError where nothing catches it; where the script catches it (inside the block, going
+    on to its next batch, or outside it, going on to a collective) with "cannot go on" at
+    this rank's next step, which names the way out."""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("join_forward_raises", strategy, catch, timeout=90)
+    assert result.returncode == 1, result.explain()
+    assert "EnforceNotMet" not in result.stderr and "Aborted" not in result.stderr, result.explain()
+    assert "the run went on" not in result.stderr, result.explain()
+    if catch == "uncaught":
+        assert "rank 1 raised KeyError: 'rank 1 fails inside its forward'" in result.stderr, result.explain()
+    else:
+        assert "rank 1 raised RuntimeError: This rank" in result.stderr, result.explain()
+        assert "cannot go on: inside lite.join a forward of model 0 raised on this rank between two of its" in (
+            result.stderr
+        )
+        assert 'lite.all_reduce(float(not ok), op="max")' in result.stderr
+
+
 def test_a_raw_torch_collective_inside_join_is_an_error_naming_it_not_a_hang(script):
     result = script("join_refusals", "raw_collective")
     assert result.returncode == 1, result.explain()

@@ -319,6 +319,12 @@ class GatherLedger:
         self.checked = ((0, ""), (0, ""))
         self._write()
 
+    def cannot_go_on(self, reason: str) -> None:
+        """This rank left the others inside collectives it cannot finish (``reason`` says
+        which): every later step of it raises, and so does the end of its block, so that the
+        run ends (the supervisor stops the others) even where the script catches the error."""
+        self.broken = self.broken or reason
+
     def leave_block(self) -> None:
         """This rank reached the end of its launch block: no later step of another rank
         will be met by this one."""

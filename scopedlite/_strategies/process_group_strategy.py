@@ -165,6 +165,12 @@ class ProcessGroupStrategy(Strategy):
         if self._ledger is not None and not in_join():
             self._ledger.backward()
 
+    def cannot_go_on(self, reason: str) -> None:
+        """The join protocol cannot bring this rank back in step with the others (``reason``):
+        the gather ledger refuses every later step of this rank, and the end of its block."""
+        if self._ledger is not None:
+            self._ledger.cannot_go_on(reason)
+
     def note_collective(self) -> None:
         """A rank gathering alone learns from the ledger that this one waits in a collective."""
         if self._ledger is not None:

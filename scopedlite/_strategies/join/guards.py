@@ -17,7 +17,7 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ _EQUIVALENT = {
 }
 
 
-def refuse_raw_collectives() -> contextlib.AbstractContextManager[None]:
+def refuse_raw_collectives(counted: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
     """Inside ``lite.join``, a ``torch.distributed`` collective called from outside torch and
     scopedlite raises at once instead of hanging.
 
@@ -82,10 +82,11 @@ def refuse_raw_collectives() -> contextlib.AbstractContextManager[None]:
     replay the models' steps and answer our collectives only; a raw collective on an active
     rank would wait for them until the timeout (30 minutes by default), silently. Calls from
     torch's own code (DDP's gradient all-reduce, FSDP's gathers), DeepSpeed's and ours go
-    through as they are. Replaced on the ``torch.distributed`` namespace for the block only
-    (``_private/torch_patches.py`` says why).
+    through as they are, each told to ``counted`` (the session tells a forward that raised
+    after its last gather from one that raised between two). Replaced on the
+    ``torch.distributed`` namespace for the block only (``_private/torch_patches.py`` says why).
     """
-    return replaced(dist, _RAW_COLLECTIVES, _guarded)
+    return replaced(dist, _RAW_COLLECTIVES, lambda name, original: _guarded(name, original, counted))
 
 
 # torch functions that reach every rank through DTensor (FSDP2, model_parallel) without a
@@ -283,11 +284,13 @@ def _guarded_full_tensor(original: Any) -> Any:
     return full_tensor
 
 
-def _guarded(name: str, original: Any) -> Any:
+def _guarded(name: str, original: Any, counted: Callable[[], None]) -> Any:
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1)
-        if not from_library(caller):
+        if from_library(caller):
+            counted()
+        else:
             ours = _EQUIVALENT.get(name)
             instead = f"use lite.{ours} inside the block (it stays correct on uneven data), or " if ours else ""
             raise RuntimeError(

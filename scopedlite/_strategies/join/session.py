@@ -217,6 +217,12 @@ class JoinSession:
         # model -> number of its forward under way on this rank (until its outputs exist), and
         # the input of its last forward that returned (to answer with, if this one raises)
         self._under_way: dict[int, int] = {}
+        # torch's and DeepSpeed's collectives in the block (guards.py), for a forward that raises:
+        # the count when each forward under way started (and whether with gradients), and how many
+        # the last forward of each model that returned issued, with and without gradients
+        self._collectives = 0
+        self._started_at: dict[int, tuple[int, bool]] = {}
+        self._issued: dict[tuple[int, bool], int] = {}
         self._returned: dict[int, tuple[Any, Any]] = {}
         self._stack = contextlib.ExitStack()
         self.closed = False
@@ -228,7 +234,7 @@ class JoinSession:
                 self._stack.enter_context(self.ledger)
             self._stack.enter_context(join_block(self.strategy.unwrap(m) for m in self.models))  # asked by user methods
             self._stack.enter_context(self.hook.install(self))
-            self._stack.enter_context(refuse_raw_collectives())
+            self._stack.enter_context(refuse_raw_collectives(self._count_collective))
             self._stack.enter_context(refuse_distributed_norms())
             self._stack.enter_context(refuse_dtensor_collectives(self.replicas))
             self._stack.callback(self.events.close)
@@ -260,6 +266,7 @@ class JoinSession:
             self._drop_posted()
             self._unanswered.clear()
             self._under_way.clear()
+            self._started_at.clear()
             self._returned.clear()
             self.inputs.clear()
             self.outputs.clear()
@@ -305,6 +312,8 @@ class JoinSession:
         One ABORT message makes every rank that reads it raise :class:`PeerLeftJoinError`,
         all of them in step. Returns whether the ranks are in step (False: the group broke).
         """
+        if self._forward_broke() is not None:
+            return False
         try:
             self._settle()
         except Exception:  # noqa: BLE001 - refused or aborted on every rank in that round: no ABORT needed
@@ -317,6 +326,38 @@ class JoinSession:
         # rank ran too (they read this ABORT at their next round): it takes part in them.
         self._answer_posted(round_)
         return True
+
+    def _count_collective(self) -> None:
+        self._collectives += 1
+
+    def _forward_broke(self) -> str | None:
+        """Why this rank cannot go on (None: it can), where forwards gather parameters
+        (FSDP, ZeRO-3, model_parallel) and a forward of this rank raised between two of its
+        gathers: it issued fewer of torch's and DeepSpeed's collectives than the last forward
+        of that model that returned (none returned yet: it cannot tell, so it counts as
+        such). The other ranks then wait in the next gather, where no round reaches them (a
+        message of ours would be taken for one of their gathers: gloo aborted the process,
+        NCCL would hang), and this rank has no outputs to answer a backward with. So from
+        here every step of this rank raises, and so does the end of its block
+        (:meth:`ProcessGroupStrategy.cannot_go_on`): the run ends with the forward's own
+        error unless the script catches it, and with this one where it does. A forward that
+        raised after its last gather sends the abort round as any other error does: the
+        others meet it in their next round."""
+        if not self.hook.forward_communicates:
+            return None
+        for index, (started, grad) in self._started_at.items():
+            if index in self._under_way and self._collectives - started < self._issued.get((index, grad), 1 << 62):
+                break  # it issued fewer collectives than the last that returned (or none returned)
+        else:
+            return None  # each raised after its last gather: the abort round reaches the others
+        reason = (
+            f"inside lite.join a forward of model {index} raised on this rank between two of its "
+            "parameter gathers, and the other ranks wait in the next one, which this rank cannot "
+            "join. Let that error end the run, or have the forward raise on every rank together "
+            '(check the batch before it: `bad = lite.all_reduce(float(not ok), op="max") > 0`)'
+        )
+        self.strategy.cannot_go_on(reason)
+        return reason
 
     # -- rounds --------------------------------------------------------------------------------------
     def _open(self, said: Step) -> tuple[Callable[[], None], torch.Tensor]:
@@ -564,6 +605,9 @@ class JoinSession:
         """Announce a forward of model ``index`` and remember its input for a later replay."""
         if self.serving:
             return
+        broke = self._forward_broke()
+        if broke is not None:  # the last forward raised midway, and the script went on
+            raise RuntimeError(f"This rank cannot go on: {broke}.")
         self.inputs[index] = (args, kwargs)
         sync = self._forward_synced[index] = self.hook.sync_flag(index)
         buffers = self.hook.buffer_flag(index)
@@ -588,6 +632,7 @@ class JoinSession:
                     self._exchange_example(index, (args, kwargs), min(round_.runners))
         self.forwards += 1
         self._under_way[index] = self.forwards
+        self._started_at[index] = (self._collectives, torch.is_grad_enabled())
         if buffers:
             self.hook.sync_buffers(index, source)
 
@@ -617,6 +662,8 @@ class JoinSession:
         """Wrap the outputs that need a gradient in the announcing identity."""
         if not self.serving:
             self._under_way.pop(index, None)
+            started, grad = self._started_at.pop(index, (self._collectives, False))
+            self._issued[index, grad] = self._collectives - started
         if not torch.is_grad_enabled():
             return output
         tensors: list[torch.Tensor] = []
