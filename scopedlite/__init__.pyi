@@ -67,6 +67,7 @@ from ._strategies.deepspeed.checkpoint import (
 from ._strategies.deepspeed.strategy import DeepSpeedStrategy as DeepSpeedStrategy
 from ._strategies.fsdp.strategy import FSDPStrategy as FSDPStrategy
 from ._strategies.join.collectives import PeerLeftJoinError as PeerLeftJoinError
+from ._strategies.lockstep import CollectiveOnSomeRanksError as CollectiveOnSomeRanksError
 from ._strategies.lockstep import ForwardOnSomeRanksError as ForwardOnSomeRanksError
 from ._strategies.lockstep import MethodCalledOnSomeRanksError as MethodCalledOnSomeRanksError
 from ._strategies.model_parallel.strategy import ModelParallelStrategy as ModelParallelStrategy

@@ -97,6 +97,7 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "broadcast": lambda obj, src: obj,
     "barrier": lambda: None,
     "every_rank_calls": lambda call, why, fix: None,  # lite.save, lite.setup, ..., before their first collective
+    "collective_called": lambda call: None,  # lite.all_reduce, ..., outside lite.join
 }
 LAUNCH_HOOKS = {"start", "place", "stop", "backend", "fresh", "comm_device", "describe", "unwrap", "block_body_ended"}
 # Where this process's share of the data is: read by setup_dataloader and lite.save through the

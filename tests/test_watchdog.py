@@ -234,7 +234,7 @@ def test_a_desync_is_ended_by_the_watchdog_not_the_collective_timeout(script):
     """Under launch(timeout=300): only the watchdog (window 2 s) can end it within the test's
     limit, and its report says so. Before that, rank 0 worked alone for three windows while
     the others waited in lite.barrier(): that passed."""
-    result = script("stall", "stall", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    result = script("stall", "stall", env={"SCOPEDLITE_HANG_TIMEOUT": "2", "SCOPEDLITE_ORDER_CHECK": "0"})
     out = result.json()
     assert out["barrier_passed"], result.explain()
     assert out["error"] == "CollectiveTimeoutError", result.explain()
@@ -269,7 +269,7 @@ def test_a_rank_leaving_its_join_loop_early_alone_is_named_with_the_fix(script):
 def test_a_rank_alone_in_a_dtensor_collective_is_ended(script):
     """Under FSDP, rank 0 alone reads a norm of the sharded parameters while ranks 1 and 2
     wait in lite.barrier(): the watchdog names rank 0's wait as a DTensor's collective."""
-    result = script("stall", "dtensor", env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    result = script("stall", "dtensor", env={"SCOPEDLITE_HANG_TIMEOUT": "2", "SCOPEDLITE_ORDER_CHECK": "0"})
     out = result.json()
     assert out["error"] == "CollectiveTimeoutError", result.explain()
     message = out["message"]
@@ -283,7 +283,7 @@ def test_a_rank_alone_in_a_dtensor_collective_is_ended(script):
 def _ended_with_rank_zero_alone(script, mode, rank_zero_waits_in, batch):
     """Run stall.py's ``mode`` (window 2 s): the watchdog must end it, naming rank 0's wait
     and ranks 1 and 2 in the backward of ``model(BATCH)``; its message."""
-    result = script("stall", mode, env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    result = script("stall", mode, env={"SCOPEDLITE_HANG_TIMEOUT": "2", "SCOPEDLITE_ORDER_CHECK": "0"})
     out = result.json()
     assert out["error"] == "CollectiveTimeoutError", result.explain()
     message = out["message"]
@@ -301,7 +301,13 @@ def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path):
     thread is blocked in gloo and cannot run a Python handler. Stall detection is off here:
     the grace after the SIGTERM (3 s) ends it, with every rank's place and stack."""
     out = tmp_path / "sigterm.json"
-    env = {**_env(), "OUT": str(out), "SCOPEDLITE_HANG_TIMEOUT": "off", "SCOPEDLITE_TERM_GRACE": "3"}
+    env = {
+        **_env(),
+        "OUT": str(out),
+        "SCOPEDLITE_HANG_TIMEOUT": "off",
+        "SCOPEDLITE_TERM_GRACE": "3",
+        "SCOPEDLITE_ORDER_CHECK": "0",
+    }
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "stall.py"), "sigterm"],
         env=env,

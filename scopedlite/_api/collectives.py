@@ -13,6 +13,15 @@ delivering made-up values and aborting the process. Inside the block the session
 compare what the running ranks call, once a rank has run out of data. ``broadcast`` needs
 no check: its source sends a header describing what follows, and the receivers pass nothing
 of their own.
+
+Outside ``lite.join`` every one of them also asks the strategy's gather ledger first
+(``_strategies/lockstep.py``): a rank that would wait in it for ranks that went on past it (to
+a later training forward, or the end of their block) raises ``CollectiveOnSomeRanksError`` at
+once. That is a collective called under ``if run.is_global_zero:``, or the first call after
+one: the lone call itself met another rank's next call of the same shape and nothing could
+tell them apart. Before, the lone rank met the others' gradient reduction or gathers (gloo
+aborted the process, NCCL hung) or waited until the timeout. It costs a store write and read
+per call (``SCOPEDLITE_ORDER_CHECK=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
 from scopedlite._api.repeats import without_repeats
-from scopedlite._comm.debug import check_same_collective, debug_enabled, describe
+from scopedlite._comm.debug import check_same_collective, debug_enabled, describe, order_check_enabled
 from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
 from scopedlite._core.dtensors import is_dtensor
 from scopedlite._core.run import Run
@@ -62,6 +71,14 @@ def _back(result: torch.Tensor, original: Any) -> Any:
 def _check(run: Run, target: Any, what: str) -> None:
     if debug_enabled():
         check_same_collective(target, run.global_rank, run.strategy.comm_device, what)
+
+
+def _on_every_rank(run: Run, target: Any, name: str) -> None:
+    """Outside ``lite.join``, refused at once on a rank that would wait in ``lite.<name>`` for
+    ranks that went on past it (the strategy's gather ledger); inside it the session's rounds
+    keep the ranks' calls in order."""
+    if target is run.strategy and order_check_enabled():
+        run.strategy.collective_called(f"lite.{name}")
 
 
 def _leaves(data: Any, call: str | None = None) -> list[Any]:
@@ -157,6 +174,7 @@ def all_reduce(data: Any, op: str = "sum") -> Any:
     if run.world_size == 1:
         return data
     target = _target(run)
+    _on_every_rank(run, target, "all_reduce")
     leaves = _leaves(data, "all_reduce")
     tensors = [_reduced_form(leaf, op, run.device) for leaf in leaves]
     for tensor in tensors:
@@ -188,6 +206,7 @@ def all_gather(data: Any) -> Any:
     if run.world_size == 1:
         return map_leaves(data, lambda leaf: _as_tensor(leaf, run.device).unsqueeze(0), _is_leaf)
     target = _target(run)
+    _on_every_rank(run, target, "all_gather")
     tensors = [_as_tensor(leaf, run.device) for leaf in _leaves(data, "all_gather")]
     for tensor in tensors:
         _check(run, target, describe("all_gather", tensor))
@@ -228,9 +247,10 @@ def gather_rows(data: Any, leave_out_repeats: bool = False) -> Any:
     tensors = [_as_tensor(leaf, run.device).reshape(1) if _is_scalar(leaf) else leaf for leaf in leaves]
     if run.world_size == 1:
         return _rebuilt(data, tensors)
+    target = _target(run)
+    _on_every_rank(run, target, "gather_for_metrics")
     if leave_out_repeats:
         tensors = without_repeats(run, tensors)
-    target = _target(run)
     for tensor in tensors:
         _check(run, target, describe("gather_for_metrics", tensor, rows_differ=True))
     lengths = first_dims(_call(run, "gather_for_metrics", None, data, tensors), target.all_gather_replicas)
@@ -265,6 +285,7 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     if run.world_size == 1:
         return obj
     target = _target(run)
+    _on_every_rank(run, target, "broadcast")
     _check(run, target, describe("broadcast", src=src))
     result = target.broadcast(obj, src)
     return map_tensors(result, lambda t: t.to(run.device))
@@ -276,5 +297,6 @@ def barrier() -> None:
     if run.world_size == 1:
         return
     target = _target(run)
+    _on_every_rank(run, target, "barrier")
     _check(run, target, describe("barrier"))
     target.barrier()

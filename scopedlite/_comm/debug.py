@@ -19,7 +19,14 @@ import torch
 
 from scopedlite._comm.wire import gather_objects
 
-__all__ = ["PACKAGE_DIR", "CollectiveMismatchError", "call_site", "check_same_collective", "debug_enabled"]
+__all__ = [
+    "PACKAGE_DIR",
+    "CollectiveMismatchError",
+    "call_site",
+    "check_same_collective",
+    "debug_enabled",
+    "order_check_enabled",
+]
 
 # The scopedlite package folder (this file is in scopedlite/_comm/), with its separator: a
 # frame whose file starts with it is ours.
@@ -32,6 +39,12 @@ class CollectiveMismatchError(RuntimeError):
 
 def debug_enabled() -> bool:
     return os.environ.get("SCOPEDLITE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def order_check_enabled() -> bool:
+    """Whether a collective of ours checks first, through the gather ledger, that no other rank
+    went on past it (``_api/collectives.py``); ``SCOPEDLITE_ORDER_CHECK=0`` turns it off."""
+    return os.environ.get("SCOPEDLITE_ORDER_CHECK", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def call_site() -> str:

@@ -124,6 +124,11 @@ class Strategy(ABC):
         ranks only is refused at once, before that collective meets the others' next step
         (``why``: what every rank does in it; ``fix``: the way out, for the message)."""
 
+    def collective_called(self, call: str) -> None:  # noqa: B027 - only strategies that can tell care
+        """``call`` (``"lite.all_reduce"``), a collective the script called outside
+        ``lite.join``, is about to run: where the strategy can tell (its gather ledger), it
+        raises at once on a rank that would wait in it for ranks that went on past it."""
+
     # -- modules and optimizers ---------------------------------------------------------
     @abstractmethod
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module: ...

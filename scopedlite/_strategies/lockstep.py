@@ -87,6 +87,11 @@ class MethodCalledOnSomeRanksError(RuntimeError):
     """A method that needs the gathered parameters was called on some ranks only."""
 
 
+class CollectiveOnSomeRanksError(MethodCalledOnSomeRanksError):
+    """A collective of ours was called on some ranks only: a rank would wait in it for ranks
+    that went on past it."""
+
+
 class ForwardOnSomeRanksError(MethodCalledOnSomeRanksError):
     """A forward of a sharded model (an evaluation, say) was run on some ranks only."""
 
@@ -284,6 +289,50 @@ class GatherLedger:
             return _words(_IN_COLLECTIVE)
         return None
 
+    def users_collective(self, call: str) -> None:
+        """``call`` (``"lite.all_reduce"``), a collective of ours that the script called
+        outside ``lite.join``, is about to run. Noted as :meth:`collective` (a rank about to
+        gather alone sees this one in a collective, is refused and comes back), then it
+        returns once every other rank has entered it too, or raises
+        :class:`CollectiveOnSomeRanksError` where one went on past it: to a later training
+        forward, or to the end of its block. This rank then calls one more collective of
+        ours than that rank. Alone it would wait there until the timeout, or meet that rank's
+        gradient reduction or gathers (gloo aborts; NCCL hangs). Often the extra call came
+        earlier: a collective inside ``if run.is_global_zero:`` met another rank's next call
+        of the same shape, which both took for theirs (nothing can tell the two apart then),
+        and this is the first call after it that can be told."""
+        self.collective()
+
+        def settle(entry: _Entry) -> str | None:
+            if entry.epoch < self.epoch:
+                return None  # it has not left the lite.join block this rank left: it will
+            if entry.collectives >= self.collectives:
+                # it entered this collective: where it went after (a broadcast's receiver
+                # is done once the source has sent) is no concern of this one
+                return ""
+            if entry.epoch > self.epoch:
+                return "went on past a lite.join block"
+            if entry.forwards > self.forwards:
+                return f"went on to training forward {entry.forwards} (this rank has run {self.forwards})"
+            return _words(_ENDED) if entry.ended else None
+
+        seen = self._poll(settle, call, "to call it too", first_pause=0.0001)
+        gone = {r: done for r, done in seen.items() if done}
+        if not gone:
+            return
+        self.collectives -= 1  # not entered: a script that catches this stays in step
+        self._write()
+        raise CollectiveOnSomeRanksError(
+            f"{call}() would wait for rank(s) {sorted(gone)}, which went on past it ("
+            + "; ".join(f"rank {r} {done}" for r, done in sorted(gone.items()))
+            + f"), under strategy={self.strategy!r}: this rank calls one more collective of ours than "
+            "they do. Either this call runs on some ranks only (inside `if run.is_global_zero:`), "
+            "or an earlier one did, met another rank's next call of the same shape, and gave a "
+            "wrong value on both. Call every collective of ours on every rank and use the result "
+            "on one: `total = lite.all_reduce(x)` everywhere, then `if run.is_global_zero: "
+            "print(total)`; a value rank 0 alone has needs no collective."
+        )
+
     def collective(self) -> None:
         """This rank enters a collective of ours: a rank about to gather alone sees it here
         and knows this one will not come to its gather."""
@@ -394,12 +443,15 @@ class GatherLedger:
         seen[self.rank] = what
         return seen
 
-    def _poll(self, settle: Callable[[_Entry], str | None], who: str, until: str) -> dict[int, str]:
+    def _poll(
+        self, settle: Callable[[_Entry], str | None], who: str, until: str, first_pause: float = 0.0005
+    ) -> dict[int, str]:
         """Read the other ranks' lines until ``settle`` says, for each, what it does (None:
-        it cannot tell yet); ``who`` waits ``until`` (for the timeout's message)."""
+        it cannot tell yet); ``who`` waits ``until`` (for the timeout's message). The pauses
+        between reads start at ``first_pause`` and double up to 20 ms."""
         seen: dict[int, str] = {}
         pending = [r for r in range(self.world_size) if r != self.rank]
-        pause = 0.0005
+        pause = first_pause
         deadline = time.monotonic() + self.timeout
         while pending:
             waiting = []

@@ -165,6 +165,10 @@ class ProcessGroupStrategy(Strategy):
         if self._ledger is not None and not in_join():
             self._ledger.backward()
 
+    def collective_called(self, call: str) -> None:
+        if self._ledger is not None:
+            self._ledger.users_collective(call)
+
     def cannot_go_on(self, reason: str) -> None:
         """The join protocol cannot bring this rank back in step with the others (``reason``):
         the gather ledger refuses every later step of this rank, and the end of its block."""

@@ -1,0 +1,56 @@
+"""A collective of ours on some ranks only, outside lite.join: refused at once through the
+gather ledger (``_strategies/lockstep.py``), where the lone rank would otherwise meet the
+others' gradient reduction or gathers (gloo aborts the process, NCCL hangs) or wait until the
+timeout. Real processes over gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_collective_on_rank_zero_alone_is_refused_at_its_next_call(script, strategy):
+    """``if rank == 0: lite.all_reduce(x)`` while training goes on with a logged all-reduce on
+    every rank. Correct calls first: each value as plain arithmetic gives it. Then rank 0's
+    lone call meets rank 1's logged one (nothing can tell them apart: both get 102), and rank
+    0's own logged call is refused at once, naming rank 1's next training forward and the
+    fix: the run ends in seconds, not with gloo's abort or at launch(timeout=60)."""
+    result = script("collective_on_some_ranks", strategy, timeout=90)
+    assert result.returncode == 1, result.explain()
+    out = result.json()  # rank 0's values of the correct part
+    assert out["logged"] == [3.0, 3.0]  # 1 + 2
+    assert out["branches"] == [10.0, 10.0]  # 10 + 0, from two lines
+    assert out["broadcast"] == "from rank 0"
+    assert out["rows"] == [0, 0, 1]  # rank 0's one row, rank 1's two
+    assert "CollectiveOnSomeRanksError: lite.all_reduce() would wait for rank(s) [1]" in result.stderr, result.explain()
+    assert "raised on rank 0 of 2" in result.stderr, result.explain()
+    assert "rank 1 went on to training forward 3 (this rank has run 2)" in result.stderr, result.explain()
+    # the lone call met rank 1's logged one: nothing could tell them apart (100 + 2 on both)
+    assert "rank 1 logged 102.0" in result.stdout, result.explain()
+    assert "the collective on rank 0 alone was not refused" not in result.stderr
+    assert "EnforceNotMet" not in result.stderr and "CollectiveTimeoutError" not in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["stall", "backward"])
+def test_a_rank_waiting_for_ranks_that_went_on_is_refused_not_left_to_the_watchdog(script, mode):
+    """tests/scripts/stall.py with the order check on (test_watchdog.py runs it off, to test the
+    watchdog on a desync it cannot see). ``stall``: rank 0 works alone for three stall windows
+    while the others wait in lite.barrier(), which passes; then rank 1 skips an all-reduce
+    and ends its block, and ranks 0 and 2 are refused at it. ``backward``: rank 0 alone calls
+    lite.barrier() after a DDP step while the others go on to the next: rank 0 is refused,
+    naming their training forward."""
+    result = script("stall", mode, env={"SCOPEDLITE_HANG_TIMEOUT": "2"})
+    out = result.json()
+    # rank 0's own refusal, or under "stall" rank 2's, reported first
+    assert out["error"] in ("CollectiveOnSomeRanksError", "WorkerFailedError"), result.explain()
+    assert "CollectiveOnSomeRanksError" in out["error"] + out["message"], out["message"]
+    if mode == "stall":
+        assert out["barrier_passed"], result.explain()
+        assert "lite.all_reduce() would wait for rank(s) [1]" in out["message"], out["message"]
+        assert "rank 1 reached the end of its launch block" in out["message"], out["message"]
+    else:
+        assert "lite.barrier() would wait for rank(s) [1, 2]" in out["message"], out["message"]
+        assert "rank 2 went on to training forward 3 (this rank has run 2)" in out["message"], out["message"]
+    assert "if run.is_global_zero:" in out["message"]
