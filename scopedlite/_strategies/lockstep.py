@@ -316,7 +316,10 @@ class GatherLedger:
                 return f"went on to training forward {entry.forwards} (this rank has run {self.forwards})"
             return _words(_ENDED) if entry.ended else None
 
-        seen = self._poll(settle, call, "to call it too", first_pause=0.0001)
+        # Starts fast (the others usually arrive within a millisecond) and backs off to
+        # 0.25 s: ranks that wait in lite.barrier() while rank 0 works alone for minutes
+        # (lite.rank_zero_first) read rank 0's store at most four times a second each.
+        seen = self._poll(settle, call, "to call it too", first_pause=0.0001, last_pause=0.25)
         gone = {r: done for r, done in seen.items() if done}
         if not gone:
             return
@@ -444,11 +447,16 @@ class GatherLedger:
         return seen
 
     def _poll(
-        self, settle: Callable[[_Entry], str | None], who: str, until: str, first_pause: float = 0.0005
+        self,
+        settle: Callable[[_Entry], str | None],
+        who: str,
+        until: str,
+        first_pause: float = 0.0005,
+        last_pause: float = 0.02,
     ) -> dict[int, str]:
         """Read the other ranks' lines until ``settle`` says, for each, what it does (None:
         it cannot tell yet); ``who`` waits ``until`` (for the timeout's message). The pauses
-        between reads start at ``first_pause`` and double up to 20 ms."""
+        between reads start at ``first_pause`` and double up to ``last_pause``."""
         seen: dict[int, str] = {}
         pending = [r for r in range(self.world_size) if r != self.rank]
         pause = first_pause
@@ -470,7 +478,7 @@ class GatherLedger:
                 )
             if pending:
                 time.sleep(pause)
-                pause = min(0.02, pause * 2)
+                pause = min(last_pause, pause * 2)
         return seen
 
     def _entries(self, ranks: list[int]) -> list[_Entry]:
