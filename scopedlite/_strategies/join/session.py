@@ -345,8 +345,8 @@ class JoinSession:
         others meet it in their next round."""
         if not self.hook.forward_communicates:
             return None
-        for index, (started, grad) in self._started_at.items():
-            if index in self._under_way and self._collectives - started < self._issued.get((index, grad), 1 << 62):
+        for index, (started, grad) in self._started_at.items():  # the forwards under way: they raised
+            if self._collectives - started < self._issued.get((index, grad), 1 << 62):
                 break  # it issued fewer collectives than the last that returned (or none returned)
         else:
             return None  # each raised after its last gather: the abort round reaches the others
