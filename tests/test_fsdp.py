@@ -19,7 +19,13 @@ import scopedlite as lite
 from scopedlite._strategies.fsdp.hybrid import hsdp_shape
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, check_save_on_some_ranks, check_skip_on_gathering, max_diff
+from _common import (
+    assert_close,
+    check_save_on_some_ranks,
+    check_scheduler_on_some_ranks,
+    check_skip_on_gathering,
+    max_diff,
+)
 from _fsdp_common import (
     JOIN_BATCH,
     JOIN_BATCHES,
@@ -293,8 +299,9 @@ def test_hsdp_two_replicas_of_two_shards_train_and_join_like_one_process(script,
 
     # each synchronised backward reduce-scatters within the replica and all-reduces across
     # replicas (plain FSDP: the reduce-scatter alone); inside lite.no_backward_sync (the 4th
-    # backward) nothing is reduced
-    synced = {"c10d::_reduce_scatter_base_": 1, "c10d::allreduce_": 1}
+    # backward) nothing is reduced. A synchronised lite.backward also all-reduces two integers
+    # of ours, the digest of the optimizers' steps since the previous one (stepped.py)
+    synced = {"c10d::_reduce_scatter_base_": 1, "c10d::allreduce_": 1 + 1}
     for mine in ranks:
         assert mine["backward_collectives"] == [synced, None, None, {}, synced]  # the 2nd and 3rd not counted
 
@@ -382,3 +389,21 @@ def test_a_backward_skipped_on_one_rank_is_refused_at_its_next_forward(script, s
     rank, are not refused and train as plain torch. The same under model_parallel."""
     result = script("skip_on_gathering", strategy, timeout=100)
     check_skip_on_gathering(result)
+
+
+@pytest.mark.timeout(130)
+@pytest.mark.parametrize(
+    ("strategy", "asymmetry"), [("fsdp", "scheduler"), ("fsdp", "step"), ("model_parallel", "scheduler")]
+)
+def test_a_scheduler_or_step_on_one_rank_is_refused_at_the_next_backward(script, strategy, asymmetry):
+    """As under ddp (test_ddp.py): `if rank == 0: scheduler.step()`, or one more
+    `optimizer.step()` on rank 1, had each rank step its shard with its own rate (or once more)
+    and the model was no longer one model, without a word. lite.backward now posts the digest
+    of the steps since the previous backward in one all-reduce and reads it after: the backward
+    after the first differing step raises on every rank, naming what its optimizer did; the
+    next collective pairs. The correct part before it (a dropped model rank 1 still holds, a
+    join block over uneven batches) equals plain torch. model_parallel: FSDP2 over its
+    data-parallel dimension."""
+    result = script("scheduler_on_some_ranks", strategy, asymmetry, timeout=100)
+    assert result.returncode == 0, result.explain()
+    check_scheduler_on_some_ranks(result.json(), asymmetry)

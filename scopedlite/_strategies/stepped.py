@@ -2,8 +2,9 @@
 
 An LR scheduler stepped on some ranks only (``if rank == 0: scheduler.step(val_loss)`` after
 an evaluation on rank 0, or ``scheduler.step(loss)`` with each rank's own loss) has each rank
-step its replica with its own learning rate: under DDP and DeepSpeed the replicas part without
-a word, and ``lite.save`` writes rank 0's. The ranks already compare their training forwards
+step its replica (or its shard) with its own learning rate: under DDP and DeepSpeed the
+replicas part without a word, and ``lite.save`` writes rank 0's; under FSDP the model is no
+longer one model. The ranks already compare their training forwards
 with one all-reduce at each backward that reduces gradients (``ddp/counted.py``,
 ``deepspeed/counted.py``); that all-reduce also carries :meth:`SteppedOptimizers.digest`, and
 where the digests differ the backward raises on every rank (:func:`different_settings`).
@@ -24,24 +25,28 @@ setup; reading the ones still alive depends on each rank's garbage collector (a 
 optimizer one rank has not collected yet), and a digest of those refused correct scripts.
 What a step used is known to every rank alike, whatever it later drops.
 
-Under fsdp and model_parallel nothing is compared at the backward, so this is not checked
-there (docs/strategies.md).
+Under fsdp and model_parallel no exchange of ours runs at the backward: there
+:func:`compared` posts one of its own, the digest alone, before ``lite.backward`` and reads
+it after (docs/strategies.md).
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import numbers
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from scopedlite._strategies.set_up import SetUpObjects
+from scopedlite._strategies.skipped_step import ranges, spread
 
-__all__ = ["SteppedOptimizers", "different_settings"]
+__all__ = ["SteppedOptimizers", "compared", "different_settings"]
 
 
 class SteppedOptimizers:
@@ -142,3 +147,24 @@ def different_settings(stepped: SteppedOptimizers, harm: str) -> RuntimeError:
         "`lite.broadcast(val_loss, src=0)` from the rank that evaluated; then start again from "
         "a checkpoint saved before this point."
     )
+
+
+@contextlib.contextmanager
+def compared(stepped: SteppedOptimizers | None, group: Any, harm: str) -> Iterator[None]:
+    """Around a backward at which no other exchange of ours runs (fsdp, model_parallel): the
+    ranks' digests of ``stepped`` (None: nothing to compare, one rank or inside ``lite.join``)
+    travel in one all-reduce on ``group`` (a CPU group; None: the default group), posted
+    before the backward and read after it, when the backward's own collectives have brought
+    every rank past the post; the block raises :func:`different_settings` on every rank where
+    they differ (``harm``: what the ranks did to the model). Every rank ran the backward, so a
+    script that catches the error is still in step."""
+    if stepped is None:
+        yield
+        return
+    extremes = spread(stepped.digest())
+    work = dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    yield  # an error of the backward is raised as it is, the comparison left unread
+    work.wait()  # a peer gone: its error, as the backward's own collectives would raise
+    ((least, most),) = ranges(extremes)
+    if least != most:
+        raise different_settings(stepped, harm)

@@ -1,6 +1,7 @@
 """An LR scheduler stepped on rank 0 alone (``if rank == 0: scheduler.step(...)``, as after an
 evaluation on rank 0), or an optimizer stepped once more on rank 1 alone, outside lite.join,
-under ddp or DeepSpeed (argv: strategy, then ``scheduler`` or ``step``): refused on every rank
+under ddp, DeepSpeed, fsdp or model_parallel (FSDP2 over a data-parallel dimension of 2)
+(argv: strategy, then ``scheduler`` or ``step``): refused on every rank
 at once, naming what each rank's optimizer did and the fix, at the backward after the first
 step that differs (the scheduler's: the second backward after it, one step with different
 rates taken; the extra step's: the next one). Before, the replicas parted without a word.
@@ -60,6 +61,21 @@ def reference():
     return params(model), opt.param_groups[0]["lr"]
 
 
+def sharded(model, mesh):
+    """model_parallel's plan: FSDP2 over the data-parallel dimension."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def whole(model):
+    """The full parameters (every rank calls it: under fsdp and model_parallel it gathers)."""
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in model.parameters()
+    ]
+
+
 def train(model, opt, x):
     lite.backward(loss_of(model, x))
     opt.step()
@@ -67,7 +83,8 @@ def train(model, opt, x):
 
 
 strategy, asymmetry = sys.argv[1], sys.argv[2]
-with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
+chosen = lite.ModelParallelStrategy(sharded, data_parallel=2) if strategy == "model_parallel" else strategy
+with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=60) as run:
     rank = run.global_rank
     data = batches(rank, 8)
     first_net = make_model(1)
@@ -88,7 +105,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
     sched.step()
     train(model, opt, data[5])
     expected, lr = reference()
-    out = {"trained": params(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
+    out = {"trained": whole(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
     out["error"] = out["refused_at"] = None
     if asymmetry == "scheduler" and rank == 0:
         sched.step()  # rank 0 alone: its rate halves once more

@@ -38,10 +38,12 @@ from scopedlite._strategies.fsdp.shard_files import (
     tag_shards,
 )
 from scopedlite._strategies.fsdp.whole_numbers import whole_numbers
+from scopedlite._strategies.join.members import in_join
 from scopedlite._strategies.loading import load_module, load_optimizer, parameter_names
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.set_up import foreign_parameter
+from scopedlite._strategies.stepped import SteppedOptimizers, compared
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -63,6 +65,8 @@ FULL_WEIGHTS = "{k: v.full_tensor() for k, v in model.state_dict().items()}"
 __all__ = ["FULL_WEIGHTS", "FSDPStrategy", "fsdp2_problem", "release"]
 
 _STATE_DICT_TYPES = ("sharded", "full")
+# What optimizers stepped differently on the ranks did (stepped.py)
+_STEPPED_APART = "each rank stepped its shard of the parameters its own way and the model is no longer one model"
 
 # The oldest torch strategy="fsdp" is tested with. Found by running the tests: torch 2.5 has no
 # public FSDP2 (torch.distributed.fsdp.fully_shard & co.); 2.6 has it but lacks
@@ -230,6 +234,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         )
         self._run_patches = contextlib.ExitStack()  # undone when the run stops
         self._numbers_whole = False
+        # The optimizers that stepped since the last lite.backward, compared there (stepped.py)
+        self._stepped = SteppedOptimizers() if placement.world_size > 1 else None
+        self._windows = 0  # lite.no_backward_sync windows open
 
     def stop(self) -> None:
         if getattr(self, "_run_patches", None) is not None:
@@ -360,9 +367,22 @@ class FSDPStrategy(ProcessGroupStrategy):
         ):
             self.set_up.at_end(handle.remove)
         self.set_up.add_optimizer(optimizer)
+        if self._stepped is not None:
+            self._stepped.watch(optimizer, self.set_up)
+            self._rounds_group()  # made here, where every rank comes (a collective under NCCL)
         return optimizer
 
     # -- per step -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """A backward outside ``lite.join`` that reduces gradients also compares the steps the
+        optimizers took since the previous comparison (an LR scheduler stepped on some ranks
+        only): raises on every rank where they differ (stepped.py). Inside the block the
+        joined ranks replay the others' steps, and the comparison waits for the first
+        backward after it; inside ``lite.no_backward_sync`` for the window's last backward."""
+        stepped = None if in_join() or self._windows else self._stepped
+        with compared(stepped, self._rounds_group() if stepped is not None else None, _STEPPED_APART):
+            super().backward(loss, *args, **kwargs)
+
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         from torch.distributed.tensor import DTensor
 
@@ -402,7 +422,18 @@ class FSDPStrategy(ProcessGroupStrategy):
                 f"lite.no_backward_sync needs the module returned by lite.setup, got a plain "
                 f"{type(module).__name__}. Use `model = lite.setup(model)` first."
             )
-        return _without_gradient_sync(module) if enabled else contextlib.nullcontext()
+        return self._accumulating(module) if enabled else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _accumulating(self, module: Any) -> Iterator[None]:
+        """An accumulation window: no gradient reduced, and no steps compared in its backwards
+        (the window's last backward, outside it, compares them)."""
+        self._windows += 1
+        try:
+            with _without_gradient_sync(module):
+                yield
+        finally:
+            self._windows -= 1
 
     def join_models(self) -> list[torch.nn.Module]:
         return self.set_up.models()
