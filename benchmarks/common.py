@@ -229,3 +229,63 @@ def log(message: str) -> None:
 def failed(key: str, title: str, goal: str, method: str, reason: str) -> Measurement:
     """A row for a measurement that could not be taken, with the reason instead of numbers."""
     return Measurement(key, title, "", None, None, None, goal, None, method, note=f"FAILED: {reason}")
+
+
+@dataclass
+class StepModes:
+    """Per-step times of one launch's modes (``{"steps": {mode: [[s, ...] per block]}, "cpu": ...}``,
+    what the ``*_steps.py`` scripts write): pooled medians, and ratios of a mode to a baseline."""
+
+    steps: dict[str, list[list[float]]]
+    cpu: dict[str, list[list[float]]]
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> StepModes:
+        return cls(data["steps"], data["cpu"])
+
+    def pooled(self, mode: str) -> float:
+        """The median step of ``mode`` over all its blocks (s)."""
+        return median([t for block in self.steps[mode] for t in block])
+
+    def ratio(self, mode: str, baseline: str) -> float | None:
+        return safe_ratio(self.pooled(mode), self.pooled(baseline))
+
+    def per_block(self, mode: str, baseline: str) -> list[float]:
+        """Each block's median ratio (the blocks ran side by side)."""
+        return [median(m) / median(b) for m, b in zip(self.steps[mode], self.steps[baseline])]
+
+    def cpu_ratio(self, mode: str, baseline: str) -> float | None:
+        """The ratio of pooled CPU time per step (``process_time``: less disturbed by other jobs)."""
+        return safe_ratio(
+            median([t for block in self.cpu[mode] for t in block]),
+            median([t for block in self.cpu[baseline] for t in block]),
+        )
+
+    def measurement(
+        self, key: str, title: str, mode: str, baseline: str, goal: float, method: str, labels: tuple[str, str]
+    ) -> Measurement:
+        """The row for ``mode`` against ``baseline`` with a goal of ``mode / baseline <= goal``
+        (``labels``: what each is called in the table); the note lists the per-block ratios
+        and the CPU ratio, and a caller appends what else it measured."""
+        ratio, per_block = self.ratio(mode, baseline), self.per_block(mode, baseline)
+        met = ratio is not None and ratio <= goal
+        return Measurement(
+            key=key,
+            title=title,
+            unit="ms",
+            value=self.pooled(mode) * 1e3,
+            baseline=self.pooled(baseline) * 1e3,
+            ratio=ratio,
+            goal=f"<= {goal} x {baseline}",
+            goal_ratio=goal,
+            met=met,
+            verdict=noise_verdict(met, per_block, goal),
+            method=method,
+            value_label=f"{self.pooled(mode) * 1e3:.2f} ms ({labels[0]})",
+            baseline_label=f"{self.pooled(baseline) * 1e3:.2f} ms ({labels[1]})",
+            note=(
+                f"per-block ratios {', '.join(f'{r:.3f}' for r in per_block)}; CPU time per step (process_time, "
+                f"less disturbed by other jobs) {mode} / {baseline} {self.cpu_ratio(mode, baseline):.3f}"
+            ),
+            raw={"steps_s": self.steps, "cpu_s": self.cpu},
+        )

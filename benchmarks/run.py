@@ -42,6 +42,7 @@ MODULES: dict[str, str] = {
     "checkpoint_paths": "the same-path check of lite.save / lite.load: per call",
     "watchdog_overhead": "hang watchdog: per-step cost, and the cost of one look",
     "throughput_overhead": "lite.throughput: per-step cost of its window exchange",
+    "stepped_compare": "fsdp: per-step cost of comparing the optimizers' steps at each backward",
     "save_stall": "lite.save(blocking=False): the training loop's stall per save vs a blocking save",
 }
 # Results written before rows carried their module: the module a row came from, by key prefix.

@@ -11,14 +11,13 @@ from common import (
     PYTHON,
     SCRIPTS_DIR,
     Measurement,
+    StepModes,
     bench_env,
     failed,
     log,
     median,
-    noise_verdict,
     read_json,
     run_child,
-    safe_ratio,
     temp_path,
 )
 
@@ -42,38 +41,16 @@ def measure(quick: bool) -> list[Measurement]:
         return [failed(key, title, f"<= {GOAL} x off", METHOD, result.describe())]
     data = read_json(out)
     out.unlink()
-    pooled = {name: median([t for b in blocks_ for t in b]) for name, blocks_ in data["steps"].items()}
-    per_block = [median(d) / median(o) for d, o in zip(data["steps"]["default"], data["steps"]["off"])]
-    ratio = safe_ratio(pooled["default"], pooled["off"])
+    modes = StepModes.of(data)
     look = median(data["look_s"])
-    eager = safe_ratio(pooled["eager"], pooled["off"])
-    cpu = {name: median([t for b in blocks_ for t in b]) for name, blocks_ in data["cpu"].items()}
-    cpu_ratio = safe_ratio(cpu["default"], cpu["off"])
     log(
-        f"watchdog: off {pooled['off'] * 1e3:.2f} ms, default {pooled['default'] * 1e3:.2f} ms, "
-        f"eager {pooled['eager'] * 1e3:.2f} ms; one look {look * 1e6:.0f} us"
+        f"watchdog: off {modes.pooled('off') * 1e3:.2f} ms, default {modes.pooled('default') * 1e3:.2f} ms, "
+        f"eager {modes.pooled('eager') * 1e3:.2f} ms; one look {look * 1e6:.0f} us"
     )
-    return [
-        Measurement(
-            key=key,
-            title=title,
-            unit="ms",
-            value=pooled["default"] * 1e3,
-            baseline=pooled["off"] * 1e3,
-            ratio=ratio,
-            goal=f"<= {GOAL} x off",
-            goal_ratio=GOAL,
-            met=ratio is not None and ratio <= GOAL,
-            verdict=noise_verdict(ratio is not None and ratio <= GOAL, per_block, GOAL),
-            method=METHOD,
-            value_label=f"{pooled['default'] * 1e3:.2f} ms (watchdog on)",
-            baseline_label=f"{pooled['off'] * 1e3:.2f} ms (off)",
-            note=(
-                f"per-block ratios {', '.join(f'{r:.3f}' for r in per_block)}; CPU time per step (process_time, "
-                f"less disturbed by other jobs) default / off {cpu_ratio:.3f}; eager (a look every 50 ms) / off "
-                f"{eager:.3f}; one look (stack, episode, store write, rank 0's reads) {look * 1e6:.0f} us median, "
-                f"i.e. {look / 2.0:.1e} of a core at the default interval"
-            ),
-            raw={"steps_s": data["steps"], "cpu_s": data["cpu"], "look_s": data["look_s"], "wall_s": result.wall_s},
-        )
-    ]
+    row = modes.measurement(key, title, "default", "off", GOAL, METHOD, ("watchdog on", "off"))
+    row.note += (
+        f"; eager (a look every 50 ms) / off {modes.ratio('eager', 'off'):.3f}; one look (stack, episode, store "
+        f"write, rank 0's reads) {look * 1e6:.0f} us median, i.e. {look / 2.0:.1e} of a core at the default interval"
+    )
+    row.raw.update(look_s=data["look_s"], wall_s=result.wall_s)
+    return [row]

@@ -44,7 +44,7 @@ for block in range(blocks):
                 cpu[name].append(cpu_times)
             if block == blocks - 1 and name == names[-1]:
                 probe = HangWatchdog(
-                    run.global_rank, run.world_size, run_store(), "bench/probe", Limits(1e9, None), lambda: False
+                    run.global_rank, run.world_size, run_store(None), "bench/probe", Limits(1e9, None), lambda: False
                 )
                 for _ in range(200):
                     start = time.perf_counter()
