@@ -99,7 +99,18 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "every_rank_calls": lambda call, why, fix: None,  # lite.save, lite.setup, ..., before their first collective
     "collective_called": lambda call: None,  # lite.all_reduce, ..., outside lite.join
 }
-LAUNCH_HOOKS = {"start", "place", "stop", "backend", "fresh", "comm_device", "describe", "unwrap", "block_body_ended"}
+LAUNCH_HOOKS = {
+    "start",
+    "place",
+    "stop",
+    "backend",
+    "fresh",
+    "comm_device",
+    "describe",
+    "unwrap",
+    "block_body_ended",
+    "waiting_at_end",
+}
 # Where this process's share of the data is: read by setup_dataloader and lite.save through the
 # Run (properties, which no recorder replaces); tests/test_model_parallel.py checks the one
 # strategy that overrides them.

@@ -5,6 +5,8 @@ timeout. Real processes over gloo."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,3 +56,44 @@ def test_a_rank_waiting_for_ranks_that_went_on_is_refused_not_left_to_the_watchd
         assert "lite.barrier() would wait for rank(s) [1, 2]" in out["message"], out["message"]
         assert "rank 2 went on to training forward 3 (this rank has run 2)" in out["message"], out["message"]
     assert "if run.is_global_zero:" in out["message"]
+
+
+_WENT_ON = "rank(s) [{other}] went on (rank {other} went on to training forward 4 (this rank ran 3))"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "case"),
+    [("ddp", "rank0"), ("ddp", "rank1"), ("fsdp", "rank0"), ("fsdp", "uneven"), ("deepspeed_stage_3", "rank0")],
+)
+def test_a_loop_left_on_some_ranks_is_refused_at_the_end_of_the_block(script, strategy, case):
+    """An early stop decided on one rank (``if run.is_global_zero and ...: break``), or ranks
+    with different numbers of batches outside lite.join: the rank that stops reaches the end
+    of its block while the other runs a training forward it never runs, and waits in that
+    step's collectives for it. Both waited until the hang watchdog ended the run (120 s by
+    default, naming only where each rank waits), or launch(timeout=) with it off. Now the rank
+    at the end reads the others' gather ledger lines while it waits (after 0.2 s) and raises,
+    naming the rank, its forward and both fixes; the run ends."""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("stop_on_some_ranks", strategy, case, timeout=100)
+    assert result.returncode == 1, result.explain()
+    stopper = 1 if case == "rank1" else 0
+    went_on = _WENT_ON.format(other=1 - stopper)
+    assert f"This rank reached the end of its launch block, but {went_on}" in result.stderr, result.explain()
+    # rank 0 is the launching process; a worker's error is reported by it, the others stopped
+    reported = "raised on rank 0 of 2" if stopper == 0 else "rank 1 raised ForwardOnSomeRanksError"
+    assert reported in result.stderr, result.explain()
+    assert f"under strategy='{strategy}'" in result.stderr, result.explain()
+    for fix in ("with lite.join(model):", 'stop = lite.all_reduce(float(should_stop), op="max") > 0'):
+        assert fix in result.stderr, result.explain()
+    assert "Timed out" not in result.stderr, result.explain()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_arriving_late_at_the_end_is_not_refused(script, strategy):
+    """Every rank runs the same steps; then rank 0 evaluates alone under torch.no_grad() (ddp)
+    and rank 1 reaches the end of its block 2.5 s after rank 0, whose reads of the ledger at
+    the end see it working on: the run ends well."""
+    result = script("stop_on_some_ranks", strategy, "correct", timeout=100)
+    assert result.returncode == 0, result.explain()
+    assert "rank 1 reaches the end late" in result.stdout + result.stderr, result.explain()

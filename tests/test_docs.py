@@ -370,6 +370,7 @@ TIMING = re.compile(
 # Durations the docs state that are settings of the code, not measurements: (page, text) -> where.
 SETTINGS = {
     ("launching.md", "every 50 ms"): ("scopedlite/_launch/supervise.py", "0.05"),
+    ("debugging.md", "(after 0.2 s,"): ("scopedlite/_strategies/lockstep.py", "now - started < 0.2"),
 }
 
 

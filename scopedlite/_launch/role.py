@@ -161,7 +161,9 @@ class Role(ABC):
         that times out first can report where everyone was; elsewhere through the strategy.
         With ``SCOPEDLITE_DEBUG=1`` the end of the block is checked like any collective of
         ours, so a rank still in a collective is named at once. ``check`` is called while the
-        ranks meet through the store and may raise to give up (a worker has failed).
+        ranks meet through the store and may raise to give up (a worker has failed), and so is
+        the strategy's :meth:`~scopedlite._strategies.base.Strategy.waiting_at_end` (a rank
+        that went on to a step this one never takes).
         """
         run = self.run
         assert run is not None
@@ -172,8 +174,14 @@ class Role(ABC):
             check_same_collective(
                 run.strategy, run.global_rank, run.strategy.comm_device, "the end of the launch block"
             )
+
+        def waiting() -> None:
+            if check is not None:
+                check()
+            run.strategy.waiting_at_end()  # a rank that went on past this end is named at once
+
         if store_wait is not None and end_of_block_barrier(
-            run.strategy.connection, run.global_rank, run.world_size, store_wait, check
+            run.strategy.connection, run.global_rank, run.world_size, store_wait, waiting
         ):
             return
         if final_gloo_barrier():

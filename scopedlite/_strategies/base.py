@@ -118,6 +118,12 @@ class Strategy(ABC):
         """This rank has run the whole body of its launch block and waits for the others at
         its end (called before that wait): a rank about to gather alone can then be told."""
 
+    def waiting_at_end(self) -> None:  # noqa: B027 - only strategies that can tell care
+        """Called, after :meth:`block_body_ended`, while this rank waits at the end of its
+        block for the others: where the strategy can tell, raises if one of them went on to
+        a step this rank will never take (a training forward it never ran), which would leave
+        both waiting until the timeout."""
+
     def every_rank_calls(self, call: str, why: str, fix: str) -> None:  # noqa: B027 - only strategies that can tell care
         """``call`` (``"lite.save"``), which every rank makes together, is about to run its
         first collective: where the strategy can tell (its gather ledger), a call on some

@@ -151,6 +151,7 @@ class GatherLedger:
         self.ended = False  # the end of the launch block reached
         self.broken = ""  # a skipped backward's refusal: no later step of this rank goes on
         self.epoch = 0  # lite.join blocks left: each starts the counts again, on every rank
+        self._end_reads = (0.0, 0.0)  # when this rank reached its block's end, when it last read there
 
     @classmethod
     def of_default_group(
@@ -382,6 +383,49 @@ class GatherLedger:
         will be met by this one."""
         self.ended = True
         self._write()
+        self._end_reads = (time.monotonic(), 0.0)
+
+    def waiting_at_end(self) -> None:
+        """Called while this rank, at the end of its block, waits for the others: raises
+        :class:`ForwardOnSomeRanksError` where one of them went on to a training forward or
+        a backward this rank never ran (an early stop decided on some ranks only, or ranks
+        with different numbers of batches outside ``lite.join``). That rank waits in the
+        step's collectives for this one, which will never take it: alone, both would wait
+        until ``launch(timeout=)``. A rank that gathers alone, or enters a collective of ours
+        alone, is refused by its own ledger, so only these are looked for here. Reads the
+        others' lines once the wait has lasted 0.2 s, then once a second: ranks that arrive
+        together never read."""
+        started, last = self._end_reads
+        now = time.monotonic()
+        if now - started < 0.2 or now - last < 1.0:
+            return
+        self._end_reads = (started, now)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        went_on = {
+            r: past
+            for r, entry in zip(others, self._entries(others))
+            if not entry.ended and entry.epoch == self.epoch and (past := self._past(entry))
+        }
+        if went_on:
+            raise ForwardOnSomeRanksError(
+                f"This rank reached the end of its launch block, but rank(s) {sorted(went_on)} went on ("
+                + "; ".join(f"rank {r} {past}" for r, past in sorted(went_on.items()))
+                + f"), under strategy={self.strategy!r}. They wait in that step's collectives for this "
+                "rank, which will never take it. A loop ran more steps on some ranks: either the "
+                "ranks had different numbers of batches (run the loop inside `with lite.join(model):`, "
+                "or give every rank as many: `lite.setup_dataloader`), or a stop was decided on some "
+                "ranks only (`if run.is_global_zero and val_loss > best: break`). Decide it on every "
+                'rank together: `stop = lite.all_reduce(float(should_stop), op="max") > 0`, then '
+                "`break` everywhere."
+            )
+
+    def _past(self, entry: _Entry) -> str:
+        """What another rank's line shows it ran beyond this rank's end ("": nothing)."""
+        if entry.forwards > self.forwards:
+            return f"went on to training forward {entry.forwards} (this rank ran {self.forwards})"
+        if entry.backwards > self.backwards:
+            return f"went on to backward {entry.backwards} (this rank ran {self.backwards})"
+        return ""
 
     def _together(self, what: str) -> tuple[list[int] | None, dict[int, str]]:
         """Note ``what`` as this rank's next step and wait for every rank to reach that step.

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from scopedlite._comm import distributed as _distributed
+from scopedlite._comm.debug import order_check_enabled
 from scopedlite._core.structures import map_tensors
 from scopedlite._strategies.base import Rendezvous, Strategy
 from scopedlite._strategies.join.hook import JoinHook
@@ -117,6 +118,10 @@ class ProcessGroupStrategy(Strategy):
     def block_body_ended(self) -> None:
         if self._ledger is not None:
             self._ledger.leave_block()
+
+    def waiting_at_end(self) -> None:
+        if self._ledger is not None and order_check_enabled():  # SCOPEDLITE_ORDER_CHECK=0: off
+            self._ledger.waiting_at_end()
 
     # -- collectives over the default group ---------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
