@@ -96,7 +96,9 @@ PLAIN: dict[str, Callable[..., Any]] = {
     "all_gather_replicas": lambda tensor: torch.stack([tensor, tensor]),
     "broadcast": lambda obj, src: obj,
     "barrier": lambda: None,
-    "every_rank_calls": lambda call, why, fix: None,  # lite.save, lite.setup, ..., before their first collective
+    "every_rank_calls": lambda call, why, fix, alone=None: (
+        None
+    ),  # lite.save, lite.setup, ..., before their first collective
     "collective_called": lambda call: None,  # lite.all_reduce, ..., outside lite.join
 }
 LAUNCH_HOOKS = {

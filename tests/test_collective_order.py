@@ -1,13 +1,19 @@
 """A collective of ours on some ranks only, outside lite.join: refused at once through the
 gather ledger (``_strategies/lockstep.py``), where the lone rank would otherwise meet the
 others' gradient reduction or gathers (gloo aborts the process, NCCL hangs) or wait until the
-timeout. Real processes over gloo."""
+timeout. The same ledger refuses a loop left on some ranks (at the end of the block) and a
+state dict loaded on some ranks only. Real processes over gloo."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from _common import max_diff
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,3 +103,29 @@ def test_a_rank_arriving_late_at_the_end_is_not_refused(script, strategy):
     result = script("stop_on_some_ranks", strategy, "correct", timeout=100)
     assert result.returncode == 0, result.explain()
     assert "rank 1 reaches the end late" in result.stdout + result.stderr, result.explain()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed_stage_2"])
+def test_a_state_dict_loaded_on_some_ranks_only_is_refused(script, strategy):
+    """``if run.is_global_zero: model.load_state_dict(...)`` (or the optimizer's) after
+    lite.setup: nothing sends the values to the other ranks. Under ddp rank 0's replica alone
+    took them and the replicas parted (0.9 apart in this script); under ZeRO-2 rank 0's
+    partition of the master weights, a mix; under fsdp rank 0's shards. Now refused on rank 0
+    before anything is loaded, naming rank 1's forward and the fix; the run trains on as plain
+    torch does. Loads on every rank (a plain state dict, torch's set_model_state_dict under
+    fsdp; the optimizer's under ddp) pass and train as plain torch."""
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
+    result = script("load_on_some_ranks", strategy, timeout=100)
+    assert result.returncode == 0, result.explain()
+    ranks = result.json()
+    refused = ranks[0]["refused"]
+    assert set(refused) == ({"model"} if strategy.startswith("deepspeed") else {"model", "optimizer"}), refused
+    for what, error in refused.items():
+        assert error is not None, f"{what}: loaded on rank 0 alone without a word"
+        assert "load_state_dict() was called on rank(s) [0] only (rank 1 went on to the model's forward)" in error
+        assert "alone it would change that rank's copy only" in error, error
+        assert "lite.load(path" in error, error
+    assert ranks[1]["refused"] == {}
+    for rank, out in enumerate(ranks):
+        assert max_diff(out["trained"], out["reference"]) < 1e-6, f"rank {rank}"

@@ -16,12 +16,13 @@ from scopedlite._api.join import active_session
 __all__ = ["every_rank_calls"]
 
 
-def every_rank_calls(call: str, why: str, fix: str) -> None:
+def every_rank_calls(call: str, why: str, fix: str, alone: str | None = None) -> None:
     """``call`` (``"lite.save"``) is about to run its first collective: return when every rank
     makes it too (or the strategy cannot tell), raise ``MethodCalledOnSomeRanksError`` on the
-    ranks that make it alone. ``why`` says what every rank does in it, ``fix`` the way out.
+    ranks that make it alone. ``why`` says what every rank does in it, ``fix`` the way out,
+    ``alone`` what a call on some ranks would do (where it is not to wait in a collective).
     Nothing to check on one process, or inside ``lite.join``, whose session keeps the ranks'
     steps in order."""
     run = current()
     if run.world_size > 1 and active_session(run) is None:
-        run.strategy.every_rank_calls(call, why, fix)
+        run.strategy.every_rank_calls(call, why, fix, alone)

@@ -10,6 +10,7 @@ import torch
 from scopedlite._api.current import current
 from scopedlite._api.every_rank import every_rank_calls
 from scopedlite._api.join import active_session
+from scopedlite._api.loads import load_together
 from scopedlite._comm.debug import call_site
 from scopedlite._core.structures import map_tensors
 from scopedlite._private.torch_internals import compiled_parts, recompile
@@ -59,9 +60,13 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     _refuse_second_setup(module)
     run = current()
     _every_rank_sets_up()
+    # A load on some ranks only is refused (loads.py): checked before the strategy's own hooks
+    load_together(module)
     prepared = _cast_inputs(run.strategy.setup_module(module))
     _compile_again(prepared, compiler)
     _remember_setup(module, prepared)
+    if run.strategy.unwrap(prepared) is not module:  # a plan that built another module
+        load_together(run.strategy.unwrap(prepared))
     return prepared
 
 
@@ -102,6 +107,7 @@ def setup_optimizers(*optimizers: torch.optim.Optimizer) -> Any:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"setup_optimizers takes torch optimizers, got {type(optimizer).__name__}.")
         prepared.append(strategy.setup_optimizer(optimizer))
+    load_together(*optimizers, *prepared)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
@@ -121,6 +127,7 @@ def setup(module: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
         module, compiler = _uncompiled(module)
         _refuse_second_setup(module)
         _every_rank_sets_up()
+        load_together(module, *optimizers)  # before the strategy's own hooks (loads.py)
         engine, prepared_opts = strategy.setup_module_and_optimizers(module, optimizers)
         _compile_again(engine, compiler)
         _remember_setup(module, engine)

@@ -124,11 +124,12 @@ class Strategy(ABC):
         a step this rank will never take (a training forward it never ran), which would leave
         both waiting until the timeout."""
 
-    def every_rank_calls(self, call: str, why: str, fix: str) -> None:  # noqa: B027 - only strategies that can tell care
+    def every_rank_calls(self, call: str, why: str, fix: str, alone: str | None = None) -> None:  # noqa: B027 - only strategies that can tell care
         """``call`` (``"lite.save"``), which every rank makes together, is about to run its
         first collective: where the strategy can tell (its gather ledger), a call on some
         ranks only is refused at once, before that collective meets the others' next step
-        (``why``: what every rank does in it; ``fix``: the way out, for the message)."""
+        (``why``: what every rank does in it; ``fix``: the way out; ``alone``: what a call on
+        some ranks would do instead of waiting, for the message)."""
 
     def collective_called(self, call: str) -> None:  # noqa: B027 - only strategies that can tell care
         """``call`` (``"lite.all_reduce"``), a collective the script called outside

@@ -214,18 +214,19 @@ class GatherLedger:
             f"Call it on every rank, as forward is called (e.g. before `if run.is_global_zero:`){self.hint}."
         )
 
-    def every_rank_calls(self, call: str, why: str, fix: str) -> None:
+    def every_rank_calls(self, call: str, why: str, fix: str, alone: str | None = None) -> None:
         """``call`` (``"lite.save"``), which every rank makes together, is about to run its
         first collective: return when every rank makes it too, raise
         :class:`MethodCalledOnSomeRanksError` when some do not (``why``: what every rank does
-        in it; ``fix``: the way out)."""
+        in it; ``fix``: the way out; ``alone``: what a call on some ranks would do, where it
+        is not to wait for the others' next step)."""
         callers, seen = self._together(call)
         if callers is None:
             return
+        alone = alone or "alone it would wait for the others' collective, which is their next step's"
         raise MethodCalledOnSomeRanksError(
             f"{call}() was called on rank(s) {callers} only ({_others(seen, call)}), under "
-            f"strategy={self.strategy!r}: every rank takes part in it ({why}), so alone it would "
-            f"wait for the others' collective, which is their next step's. {fix}"
+            f"strategy={self.strategy!r}: every rank takes part in it ({why}), so {alone}. {fix}"
         )
 
     def whole_value(self, call: str) -> None:

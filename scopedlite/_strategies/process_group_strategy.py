@@ -145,13 +145,13 @@ class ProcessGroupStrategy(Strategy):
         """Every rank left a ``lite.join`` block together (the gather ledger's counts, kept by
         its own scope around the block, start again on every way out: lockstep.py)."""
 
-    def every_rank_calls(self, call: str, why: str, fix: str) -> None:
+    def every_rank_calls(self, call: str, why: str, fix: str, alone: str | None = None) -> None:
         """Where the strategy keeps a gather ledger (all but xla), ``call`` made on some ranks
         only (``if run.is_global_zero: lite.save(...)``) raises ``MethodCalledOnSomeRanksError``
         there at once: its first collective would meet the others' next step, and the run
         would abort or wait until the watchdog or the timeout ends it."""
         if self._ledger is not None:
-            self._ledger.every_rank_calls(call, why, fix)
+            self._ledger.every_rank_calls(call, why, fix, alone)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self._note_backward()
