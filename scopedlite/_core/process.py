@@ -36,7 +36,7 @@ import os
 import threading
 from typing import IO, Any
 
-__all__ = ["OpenLaunches", "ThisProcess", "describe_identity", "this_process"]
+__all__ = ["OpenLaunches", "StopRequest", "ThisProcess", "describe_identity", "this_process"]
 
 
 class OpenLaunches:
@@ -65,6 +65,30 @@ class OpenLaunches:
             return [s for p, s in self._open if p == pid]
 
 
+class StopRequest:
+    """Whether this process was asked to stop: a plain flag, set by signal handlers and read
+    anywhere.
+
+    Not a ``threading.Event``: its ``set()`` takes a lock, and a signal handler runs between
+    two bytecodes of the main thread, possibly inside another handler's ``set()``. When a
+    SIGTERM and the main process's forwarded stop request reached a worker at once (systemd
+    stopping a service), the second handler waited for the lock the first held, and the
+    worker hung for good (about one run in ten of test_faults' SIGTERM-to-every-process test).
+    Assigning a bool takes no lock."""
+
+    def __init__(self) -> None:
+        self._requested = False
+
+    def set(self) -> None:
+        self._requested = True
+
+    def clear(self) -> None:
+        self._requested = False
+
+    def is_set(self) -> bool:
+        return self._requested
+
+
 class ThisProcess:
     """The process-wide state of the module docstring, each piece an attribute set here."""
 
@@ -72,7 +96,7 @@ class ThisProcess:
         self.launched = False  # a multi-process block (script or fork) was started
         self._entered_at: dict[str, int] = {}  # how many launch blocks entered at each file:line
         self.open_launches = OpenLaunches()
-        self.stop_request = threading.Event()
+        self.stop_request = StopRequest()
         self.retired_groups: list[tuple[int, Any]] = []  # (pid of the retiring process, group)
         self.stack_files: list[IO[str]] = []
         self.site_names: dict[int, str] = {}  # crc32 of a call site -> its "file:line"

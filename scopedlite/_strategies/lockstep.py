@@ -392,7 +392,8 @@ class GatherLedger:
         a backward this rank never ran (an early stop decided on some ranks only, or ranks
         with different numbers of batches outside ``lite.join``). That rank waits in the
         step's collectives for this one, which will never take it: alone, both would wait
-        until ``launch(timeout=)``. A rank that gathers alone, or enters a collective of ours
+        until the hang watchdog (or ``launch(timeout=)``) ended the run, naming no cause. A
+        rank that gathers alone, or enters a collective of ours
         alone, is refused by its own ledger, so only these are looked for here. Reads the
         others' lines once the wait has lasted 0.2 s, then once a second: ranks that arrive
         together never read."""
