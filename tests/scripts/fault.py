@@ -70,7 +70,10 @@ outcome = {}
 try:
     with lite.launch(strategy="ddp", devices=DEVICES, accelerator="cpu", timeout=TIMEOUT) as run:
         me = run.global_rank
-        (marks / f"pid{me}").write_text(str(os.getpid()))
+        # written whole or not at all: a rank stopped while writing left an empty file, which
+        # rank 0 then failed to read (and wrote no outcome)
+        (marks / f".pid{me}").write_text(str(os.getpid()))
+        (marks / f".pid{me}").replace(marks / f"pid{me}")
         if mode == "kill_loader" and me == rank_to_fail:  # its DataLoader workers hold its sockets
             batches = iter(torch.utils.data.DataLoader(torch.arange(64.0), batch_size=8, num_workers=2))
             next(batches)
