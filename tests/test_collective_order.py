@@ -64,7 +64,7 @@ def test_a_rank_waiting_for_ranks_that_went_on_is_refused_not_left_to_the_watchd
     assert "if run.is_global_zero:" in out["message"]
 
 
-_WENT_ON = "rank(s) [{other}] went on (rank {other} went on to training forward 4 (this rank ran 3))"
+_WENT_ON = "rank(s) [{other}] went on (rank {other} went on to training forward 4 (this rank has run 3))"
 
 
 @pytest.mark.parametrize(

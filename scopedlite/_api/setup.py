@@ -65,8 +65,9 @@ def setup_module(module: torch.nn.Module) -> torch.nn.Module:
     prepared = _cast_inputs(run.strategy.setup_module(module))
     _compile_again(prepared, compiler)
     _remember_setup(module, prepared)
-    if run.strategy.unwrap(prepared) is not module:  # a plan that built another module
-        load_together(run.strategy.unwrap(prepared))
+    inner = run.strategy.unwrap(prepared)
+    if inner is not module:  # a plan that built another module
+        load_together(inner)
     return prepared
 
 

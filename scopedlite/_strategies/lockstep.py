@@ -315,7 +315,7 @@ class GatherLedger:
             if entry.epoch > self.epoch:
                 return "went on past a lite.join block"
             if entry.forwards > self.forwards:
-                return f"went on to training forward {entry.forwards} (this rank has run {self.forwards})"
+                return _forward_past(entry.forwards, self.forwards)
             return _words(_ENDED) if entry.ended else None
 
         # Starts fast (the others usually arrive within a millisecond) and backs off to
@@ -329,7 +329,7 @@ class GatherLedger:
         self._write()
         raise CollectiveOnSomeRanksError(
             f"{call}() would wait for rank(s) {sorted(gone)}, which went on past it ("
-            + "; ".join(f"rank {r} {done}" for r, done in sorted(gone.items()))
+            + _each(gone)
             + f"), under strategy={self.strategy!r}: this rank calls one more collective of ours than "
             "they do. Either this call runs on some ranks only (inside `if run.is_global_zero:`), "
             "or an earlier one did, met another rank's next call of the same shape, and gave a "
@@ -411,7 +411,7 @@ class GatherLedger:
         if went_on:
             raise ForwardOnSomeRanksError(
                 f"This rank reached the end of its launch block, but rank(s) {sorted(went_on)} went on ("
-                + "; ".join(f"rank {r} {past}" for r, past in sorted(went_on.items()))
+                + _each(went_on)
                 + f"), under strategy={self.strategy!r}. They wait in that step's collectives for this "
                 "rank, which will never take it. A loop ran more steps on some ranks: either the "
                 "ranks had different numbers of batches (run the loop inside `with lite.join(model):`, "
@@ -424,9 +424,9 @@ class GatherLedger:
     def _past(self, entry: _Entry) -> str:
         """What another rank's line shows it ran beyond this rank's end ("": nothing)."""
         if entry.forwards > self.forwards:
-            return f"went on to training forward {entry.forwards} (this rank ran {self.forwards})"
+            return _forward_past(entry.forwards, self.forwards)
         if entry.backwards > self.backwards:
-            return f"went on to backward {entry.backwards} (this rank ran {self.backwards})"
+            return f"went on to backward {entry.backwards} (this rank has run {self.backwards})"
         return ""
 
     def _together(self, what: str) -> tuple[list[int] | None, dict[int, str]]:
@@ -666,6 +666,16 @@ def _words(done: str) -> str:
     return _WORDS.get(done, f"called {_call(done)} instead")
 
 
+def _each(done: dict[int, str]) -> str:
+    """What each rank did (``{rank: "went on to ..."}``), for a refusal: "rank 1 ...; rank 2 ..."."""
+    return "; ".join(f"rank {r} {text}" for r, text in sorted(done.items()))
+
+
+def _forward_past(theirs: int, mine: int) -> str:
+    """A rank that went on to training forward ``theirs``, where this rank has run ``mine``."""
+    return f"went on to training forward {theirs} (this rank has run {mine})"
+
+
 def _others(seen: dict[int, str], what: str) -> str:
     """What the ranks that do not do ``what`` do instead, for a refusal."""
-    return "; ".join(f"rank {r} {_words(done)}" for r, done in sorted(seen.items()) if done != what)
+    return _each({r: _words(done) for r, done in seen.items() if done != what})
