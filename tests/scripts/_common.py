@@ -29,6 +29,21 @@ def params(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
+def full_params(model: torch.nn.Module) -> list[list[float]]:
+    """The model's full parameters, a sharded one's gathered (every rank calls it then)."""
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in model.parameters()
+    ]
+
+
+def fsdp_over_data_parallel(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """A model_parallel plan: FSDP2 over the mesh's data-parallel dimension (the root sharded)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
 def max_diff(got: Any, expected: Any, what: str = "value", relative: bool = False) -> float:
     """The largest absolute (or, with ``relative``, relative) difference between two nested
     structures of numbers (lists, tuples, dicts), after checking that they have the same shape:

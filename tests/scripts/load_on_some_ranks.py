@@ -18,7 +18,7 @@ import sys
 import torch
 
 import scopedlite as lite
-from _common import from_every_rank, make_model, params, write
+from _common import from_every_rank, full_params, make_model, params, write
 
 LR, MOMENTUM = 0.05, 0.9
 
@@ -55,12 +55,6 @@ def reference(model_state, opt_state):
         opt.step()
         opt.zero_grad()
     return params(model)
-
-
-def whole(model):
-    return [
-        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in model.parameters()
-    ]
 
 
 strategy = sys.argv[1]
@@ -104,7 +98,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
                 out["refused"][what] = str(e)
     for x in data[2:]:
         train(x)
-    out["trained"] = whole(model)
+    out["trained"] = full_params(model)
     out["reference"] = expected
     seen = from_every_rank(out)
     if rank == 0:

@@ -26,7 +26,7 @@ import sys
 import torch
 
 import scopedlite as lite
-from _common import from_every_rank, make_data, make_model, write
+from _common import from_every_rank, fsdp_over_data_parallel, make_data, make_model, write
 
 STEPS, BATCH = 3, 8  # a global batch of 8 rows a step, 4 per rank
 
@@ -40,14 +40,6 @@ def eval_rows() -> torch.Tensor:
     return torch.linspace(-2, 2, 12).reshape(3, 4)
 
 
-def sharded(model: torch.nn.Module, mesh: object) -> torch.nn.Module:
-    """A data-parallel plan: FSDP2 over the mesh's data-parallel dimension (the root sharded)."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(model, mesh=mesh["data_parallel"])  # type: ignore[index]
-    return model
-
-
 def tensor_parallel(model: torch.nn.Module, mesh: object) -> torch.nn.Module:
     """A tensor-parallel plan: the root stays a plain module, its forward runs collectives."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -57,7 +49,7 @@ def tensor_parallel(model: torch.nn.Module, mesh: object) -> torch.nn.Module:
 
 def strategy_of(name: str) -> object:
     if name == "model_parallel":
-        return lite.ModelParallelStrategy(sharded, data_parallel=2, tensor_parallel=1)
+        return lite.ModelParallelStrategy(fsdp_over_data_parallel, data_parallel=2, tensor_parallel=1)
     if name == "model_parallel_tp":
         return lite.ModelParallelStrategy(tensor_parallel, data_parallel=1, tensor_parallel=2)
     return name

@@ -21,7 +21,7 @@ import sys
 import torch
 
 import scopedlite as lite
-from _common import from_every_rank, make_model, params, write
+from _common import from_every_rank, fsdp_over_data_parallel, full_params, make_model, params, write
 
 LR = 0.1
 
@@ -61,21 +61,6 @@ def reference():
     return params(model), opt.param_groups[0]["lr"]
 
 
-def sharded(model, mesh):
-    """model_parallel's plan: FSDP2 over the data-parallel dimension."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def whole(model):
-    """The full parameters (every rank calls it: under fsdp and model_parallel it gathers)."""
-    return [
-        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist() for p in model.parameters()
-    ]
-
-
 def train(model, opt, x):
     lite.backward(loss_of(model, x))
     opt.step()
@@ -83,7 +68,9 @@ def train(model, opt, x):
 
 
 strategy, asymmetry = sys.argv[1], sys.argv[2]
-chosen = lite.ModelParallelStrategy(sharded, data_parallel=2) if strategy == "model_parallel" else strategy
+chosen = (
+    lite.ModelParallelStrategy(fsdp_over_data_parallel, data_parallel=2) if strategy == "model_parallel" else strategy
+)
 with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=60) as run:
     rank = run.global_rank
     data = batches(rank, 8)
@@ -105,7 +92,7 @@ with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=60) as r
     sched.step()
     train(model, opt, data[5])
     expected, lr = reference()
-    out = {"trained": whole(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
+    out = {"trained": full_params(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
     out["error"] = out["refused_at"] = None
     if asymmetry == "scheduler" and rank == 0:
         sched.step()  # rank 0 alone: its rate halves once more

@@ -11,11 +11,7 @@ import io
 import torch
 
 import scopedlite as lite
-from _common import from_every_rank, make_model, write
-
-
-def whole(model):
-    return [p.full_tensor().detach().flatten().tolist() for p in model.parameters()]  # every rank calls it
+from _common import from_every_rank, full_params, make_model, write
 
 
 def moments(opt):
@@ -51,7 +47,7 @@ with lite.launch(strategy="fsdp", devices=2, accelerator="cpu", timeout=60) as r
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
     lite.backward(model(x).pow(2).mean())
     opt.step()
-    trained, trained_moments = whole(model), moments(opt)
+    trained, trained_moments = full_params(model), moments(opt)
 
     # rank 0 alone writes the file; every rank reads it into a fresh set-up model and optimizer
     model_file, opt_file = rank_zero_file(model.state_dict()), rank_zero_file(opt.state_dict())
@@ -75,7 +71,7 @@ with lite.launch(strategy="fsdp", devices=2, accelerator="cpu", timeout=60) as r
     opt3.load_state_dict(torch.load(io.BytesIO(own_opt.getvalue())))
     out = {
         "errors": errors,
-        "own_files": whole(model3),
+        "own_files": full_params(model3),
         "trained": trained,
         "own_moments": moments(opt3),
         "trained_moments": trained_moments,

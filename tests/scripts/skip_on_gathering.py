@@ -16,7 +16,7 @@ import sys
 import torch
 
 import scopedlite as lite
-from _common import from_every_rank, make_model, params, write
+from _common import from_every_rank, fsdp_over_data_parallel, make_model, params, write
 
 LR = 0.1
 
@@ -28,14 +28,6 @@ def batches(rank, n):
 
 def loss_of(model, x):
     return model(x).pow(2).mean() + model(2 * x).pow(2).mean()
-
-
-def sharded(model, mesh):
-    """model_parallel's plan: FSDP2 over the data-parallel dimension."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
 
 
 def whole(model):
@@ -61,7 +53,9 @@ def reference(steps):
 
 
 strategy = sys.argv[1]
-chosen = lite.ModelParallelStrategy(sharded, data_parallel=2) if strategy == "model_parallel" else strategy
+chosen = (
+    lite.ModelParallelStrategy(fsdp_over_data_parallel, data_parallel=2) if strategy == "model_parallel" else strategy
+)
 with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=120) as run:
     rank = run.global_rank
     net = make_model()
