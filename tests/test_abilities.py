@@ -150,6 +150,7 @@ OWN_HELPERS = {
     "model_of": "deepspeed: an optimizer's model, for its checkpoint conversion",
     "owner_of": "fsdp: the FSDP root of an optimizer, for its checkpoints and join",
     "build_config": "deepspeed: the engine's config, at setup",
+    "note_synced": "deepspeed: a joined rank's replayed backward gives the next step its gradients",
     "note_collective": "sharded strategies: join rounds note themselves in the gather ledger (lockstep.py)",
     "cannot_go_on": "process-group strategies: the join session ends a rank that left the others in their gathers",
     "join_left": "sharded strategies: the gather ledger starts its counts again after a join block",

@@ -245,9 +245,19 @@ def check_skip_on_gathering(result):
 
 def check_scheduler_on_some_ranks(seen, asymmetry):
     """scheduler_on_some_ranks.py's run (``asymmetry``: ``scheduler`` on rank 0 or ``step`` on
-    rank 1): the correct part equals plain torch; then refused on every rank, each naming what
-    its own optimizer did."""
+    rank 1, either after ``step-alone,``): the correct part equals plain torch; then refused on
+    every rank, each naming what its own optimizer did. ``step-alone`` (DeepSpeed ZeRO): rank
+    1's step with no backward since its last is refused at once, on rank 1 alone."""
+    *first, asymmetry = asymmetry.split(",")
     for rank, out in enumerate(seen):
+        if first == ["step-alone"]:
+            alone = out["alone"]
+            if rank == 0:
+                assert alone is None, alone
+            else:
+                assert alone is not None, "rank 1's step with no backward since its last was not refused"
+                assert alone.startswith("optimizer.step() was called with no backward since the previous step"), alone
+                assert "Call lite.backward(loss) before each optimizer.step(), on every rank" in alone, alone
         assert_close(out["trained"], out["reference"], 1e-5, f"rank {rank} params")
         assert out["lr"] == out["lr_ref"] == 0.0125, out  # three scheduler steps
         error = out["error"]

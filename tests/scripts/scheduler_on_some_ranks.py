@@ -1,7 +1,7 @@
 """An LR scheduler stepped on rank 0 alone (``if rank == 0: scheduler.step(...)``, as after an
 evaluation on rank 0), or an optimizer stepped once more on rank 1 alone, outside lite.join,
 under ddp, DeepSpeed, fsdp or model_parallel (FSDP2 over a data-parallel dimension of 2)
-(argv: strategy, then ``scheduler`` or ``step``): refused on every rank
+(argv: strategy, then ``scheduler`` or ``step``, either after ``step-alone,``): refused on every rank
 at once, naming what each rank's optimizer did and the fix, at the backward after the first
 step that differs (the scheduler's: the second backward after it, one step with different
 rates taken; the extra step's: the next one). Before, the replicas parted without a word.
@@ -14,6 +14,12 @@ First what a correct script does, which must not be refused and equals plain tor
 - a lite.join block over uneven batches (rank 0 two, rank 1 one: rank 1's optimizer step is
   replayed while it is joined), then the scheduler on every rank, then one step outside join.
 After the refusal, caught, the next collective pairs.
+
+``step-alone``, under DeepSpeed ZeRO, first: rank 1 alone calls ``opt.step()`` with no backward
+since its last step. The engine freed its gradients at that step, and DeepSpeed failed deep
+inside with ``TypeError: 'NoneType' object is not iterable``; it is refused at once on rank 1,
+before the engine is called, and the ranks stay in step (the scheduler's refusal after it
+counts one step on each).
 """
 
 import sys
@@ -67,7 +73,7 @@ def train(model, opt, x):
     opt.zero_grad()
 
 
-strategy, asymmetry = sys.argv[1], sys.argv[2]
+strategy, *before, asymmetry = [sys.argv[1], *sys.argv[2].split(",")]
 chosen = (
     lite.ModelParallelStrategy(fsdp_over_data_parallel, data_parallel=2) if strategy == "model_parallel" else strategy
 )
@@ -93,7 +99,12 @@ with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=60) as r
     train(model, opt, data[5])
     expected, lr = reference()
     out = {"trained": full_params(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
-    out["error"] = out["refused_at"] = None
+    out["error"] = out["refused_at"] = out["alone"] = None
+    if before == ["step-alone"] and rank == 1:
+        try:
+            opt.step()  # no backward since its last step, rank 1 alone
+        except RuntimeError as e:
+            out["alone"] = str(e)
     if asymmetry == "scheduler" and rank == 0:
         sched.step()  # rank 0 alone: its rate halves once more
     if asymmetry == "step" and rank == 1:

@@ -279,6 +279,29 @@ class EngineRecord:
     synced_at: int | None = field(default=None)
     place: int = field(default=0)
 
+    def refuse_unbacked_step(self, stage: int) -> None:
+        """Refuse the engine step about to be taken where no backward at an accumulation
+        boundary came since the engine's last step (a second ``optimizer.step()``, one before
+        any backward, or one on some ranks only: ``if rank == 0: opt.step()``). At ZeRO
+        stages 1-3 the engine's optimizer frees its gradient partitions at each step, and
+        DeepSpeed fails deep inside such a step (``TypeError: 'NoneType' object is not
+        iterable``, from its norm of gradients it no longer holds); at stage 0 it steps the
+        torch optimizer, as plain torch would. A micro-step inside the engine's own
+        accumulation only counts. Raised before the engine is called: nothing changed, and a
+        rank that catches it is still in step with the others."""
+        engine = self.engine
+        if stage == 0 or not engine.is_gradient_accumulation_boundary() or self.synced_at == engine.global_steps:
+            return
+        since = "before any backward" if self.synced_at is None else "with no backward since the previous step"
+        raise RuntimeError(
+            f"optimizer.step() was called {since} under strategy='deepspeed' (ZeRO stage {stage}), "
+            f"for {self.name}: the engine frees its gradients at each step, so this step would have "
+            "none (DeepSpeed itself fails with `TypeError: 'NoneType' object is not iterable`). "
+            "Under plain torch such a step reuses the gradients still held, or does nothing after "
+            "zero_grad(). Call lite.backward(loss) before each optimizer.step(), on every rank: a "
+            "step taken on some ranks only (`if rank == 0: opt.step()`) is never right."
+        )
+
 
 def _release(engine: Any) -> None:
     engine.destroy()
@@ -324,6 +347,10 @@ class Engines:
         record = self.record(face)
         assert record is not None, "a set-up model without its engine's record"
         return record
+
+    def of_engine(self, engine: Any) -> EngineRecord | None:
+        """The record of ``engine`` (None: its face was dropped)."""
+        return next((r for r in self.records() if r.engine is engine), None)
 
     def face_of_optimizer(self, optimizer: Any) -> Any:
         return next((f for f in self.alive() if self._record_of(f).optimizer is optimizer), None)

@@ -94,6 +94,8 @@ class DeepSpeedJoinHook(JoinHook):
         zero = sum((t.float() * 0).sum() for t in outputs)
         with filtered_warnings(), accumulating(engine) if not sync else contextlib.nullcontext():
             self.strategy.engine(engine).backward(zero)  # the engine's own: a replay, not checked
+        if sync:
+            self.strategy.note_synced(engine)
 
     def step(self, index: int) -> None:
         # Through the user's optimizer, as on the active ranks: its step is rerouted to the

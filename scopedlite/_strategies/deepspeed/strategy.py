@@ -298,7 +298,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         if optimizer is not None:
             # the ranks compare the optimizers that stepped at each backward (stepped.py)
             noted = self._counts.stepped.noter(optimizer) if self.placement.world_size > 1 else None
-            step = _route_step_through_engine(optimizer, engine, self.set_up, noted)
+            step = _route_step_through_engine(optimizer, engine, self.set_up, self._before_step(engine, noted))
         # What the user gets is the user's model (engines.py), released when dropped.
         model = user_facing(engine, self.backward_model, step, nesting)
         record = self.engines.add(model, engine, optimizer)
@@ -310,6 +310,27 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             noted = self._note_forward if self._ledger is not None and not self._ledger.gathers else None
             engine.register_forward_pre_hook(lambda *_: counts.forward(place, noted))
         return model, [] if optimizer is None else [optimizer]
+
+    def _before_step(self, engine: Any, noted: Callable[[], None] | None) -> Callable[[], None]:
+        """What runs just before each step of ``engine`` that the user's ``optimizer.step()``
+        (or DeepSpeed's own ``model.step()``) takes: a step with no backward since the last is
+        refused (``EngineRecord.refuse_unbacked_step``), then ``noted`` (stepped.py) is told."""
+
+        def before() -> None:
+            record = self.engines.of_engine(engine)
+            if record is not None:
+                record.refuse_unbacked_step(self.stage)
+            if noted is not None:
+                noted()
+
+        return before
+
+    def note_synced(self, model: torch.nn.Module) -> None:
+        """A backward of ``model``'s engine at an accumulation boundary ran outside
+        ``lite.backward`` (a joined rank's replay): the next step has gradients."""
+        record = self.engines.record(model)
+        if record is not None and record.engine.is_gradient_accumulation_boundary():
+            record.synced_at = record.engine.global_steps
 
     def engine(self, model: torch.nn.Module) -> Any:
         """The ``deepspeed.DeepSpeedEngine`` behind ``model`` (what ``lite.setup`` returned):
@@ -476,7 +497,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
 
 def _route_step_through_engine(
-    optimizer: torch.optim.Optimizer, engine: Any, set_up: SetUpObjects, noted: Callable[[], None] | None
+    optimizer: torch.optim.Optimizer, engine: Any, set_up: SetUpObjects, before: Callable[[], None]
 ) -> Callable[..., Any]:
     """Make ``optimizer.step()`` run ``engine.step()`` and ``zero_grad()`` leave the gradients
     to the engine; the engine's own calls into the optimizer reach the real methods.
@@ -485,13 +506,12 @@ def _route_step_through_engine(
     and LR schedulers built on it keep working. Returns what DeepSpeed's own ``model.step()``
     runs: ``engine.step()`` marked as the engine's, so that its call into the optimizer reaches
     the real step there too (before, it was rerouted back into a second ``engine.step()``).
-    ``noted``: told of each step (None: nothing to tell).
+    ``before``: run just before each engine step (it may refuse the step).
     """
     original_zero_grad = optimizer.zero_grad
 
     def engine_step(*args: Any, **kwargs: Any) -> Any:
-        if noted is not None:
-            noted()
+        before()
         with filtered_warnings():
             return engine.step(*args, **kwargs)
 
