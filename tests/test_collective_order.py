@@ -95,6 +95,29 @@ def test_a_loop_left_on_some_ranks_is_refused_at_the_end_of_the_block(script, st
     assert "Timed out" not in result.stderr, result.explain()
 
 
+@pytest.mark.parametrize("case", ["rank1", "correct"])
+def test_under_torchrun_a_loop_left_on_some_ranks_is_refused_and_a_late_rank_is_not(run_python, case):
+    """The same script under torchrun (a world someone else started): there the ranks meet at
+    the end of the block through the agent's store (``meet_at_block_end``), and the first rank
+    to arrive reads the others' ledger lines. ``rank1``: rank 1 stops early under fsdp and is
+    refused (before, the hang watchdog ended the job after 120 s, naming only where each rank
+    waited); its exit ends the job under torchrun's agent. ``correct``: rank 1 reaches the end
+    2.5 s after rank 0 evaluated alone: the job ends well."""
+    strategy = "fsdp" if case == "rank1" else "ddp"
+    script = Path(__file__).parent / "scripts" / "stop_on_some_ranks.py"
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    result = run_python(*torchrun, str(script), strategy, case, timeout=100)
+    if case == "correct":
+        assert result.returncode == 0, result.explain()
+        assert "rank 1 reaches the end late" in result.stdout + result.stderr, result.explain()
+        return
+    assert result.returncode != 0, result.explain()
+    assert f"This rank reached the end of its launch block, but {_WENT_ON.format(other=0)}" in result.stderr, (
+        result.explain()
+    )
+    assert "No rank moved for" not in result.stderr, result.explain()  # not the hang watchdog
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_rank_arriving_late_at_the_end_is_not_refused(script, strategy):
     """Every rank runs the same steps; then rank 0 evaluates alone under torch.no_grad() (ddp)

@@ -254,14 +254,54 @@ def end_of_block_barrier(
         if check is not None:
             check()
         if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            raise TimeoutError(
-                f"Timed out after {seconds:.0f} s at the end of the launch block waiting for "
-                f"rank(s) {missing}, which did not get there (launch(timeout=))."
-            )
+            raise _not_at_end(seconds, [r for r, key in enumerate(keys) if not store.check([key])])
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
     return True
+
+
+def block_end_prefix(store: Any, size: int) -> str:
+    """The keys of this launch block's :func:`meet_at_block_end`, in a world someone else
+    started, whose store outlives the block (torchrun's agent's, SLURM's or MPI's rank 0's):
+    called once by every rank as the block starts (a rank that raises in it skips the end),
+    so the counter gives every rank the same prefix."""
+    generation = (int(store.add("scopedlite/block-end/count", 1)) - 1) // size
+    return f"scopedlite/block-end/{generation}"
+
+
+def meet_at_block_end(store: Any, prefix: str, rank: int, size: int, seconds: float, check: Callable[[], None]) -> None:
+    """Wait until every rank of a world someone else started reached the end of its launch
+    block (``prefix``: :func:`block_end_prefix`), through the store, polled from Python.
+
+    As :func:`end_of_block_barrier` does for a run we started, with what a large world needs:
+    one counter and one "everyone" key, so a poll reads one key, at most ten times a second;
+    and only the first rank to arrive calls ``check`` (it may raise: a rank that went on past
+    this end, ``Strategy.waiting_at_end``), so the others' lines are read by one rank, not by
+    every rank that waits. Every rank that arrives ended its block before any rank that went on
+    would have, so the first to arrive is one that stopped early. Raises ``TimeoutError``
+    naming the missing ranks after ``seconds``."""
+    store.set(f"{prefix}/{rank}", "1")
+    everyone = f"{prefix}/everyone"
+    arrived = int(store.add(f"{prefix}/arrived", 1))
+    if arrived == size:
+        store.set(everyone, "1")
+        return
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while not store.check([everyone]):
+        if arrived == 1:
+            check()
+        if time.monotonic() > deadline:
+            raise _not_at_end(seconds, [r for r in range(size) if not store.check([f"{prefix}/{r}"])])
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def _not_at_end(seconds: float, missing: list[int]) -> TimeoutError:
+    return TimeoutError(
+        f"Timed out after {seconds:.0f} s at the end of the launch block waiting for "
+        f"rank(s) {missing}, which did not get there (launch(timeout=))."
+    )
 
 
 def retire_groups() -> None:

@@ -21,7 +21,14 @@ import torch
 
 from scopedlite._cluster.environments import World
 from scopedlite._comm.debug import check_same_collective, debug_enabled
-from scopedlite._comm.distributed import end_of_block_barrier, final_gloo_barrier, store_connection
+from scopedlite._comm.distributed import (
+    block_end_prefix,
+    end_of_block_barrier,
+    final_gloo_barrier,
+    meet_at_block_end,
+    run_store,
+    store_connection,
+)
 from scopedlite._core.process import this_process
 from scopedlite._core.run import Placement, Run
 from scopedlite._hardware.machine import Machine
@@ -153,12 +160,20 @@ class Role(ABC):
             self.watchdog.stop()
             self.watchdog = None
 
-    def final_barrier(self, store_wait: float | None = None, check: Callable[[], None] | None = None) -> None:
+    def final_barrier(
+        self,
+        store_wait: float | None = None,
+        check: Callable[[], None] | None = None,
+        meeting: tuple[Any, str] | None = None,
+    ) -> None:
         """Every rank reached the end of the block before any leaves it.
 
         In a run we started, the ranks meet through the store for up to ``store_wait``
         seconds (see :func:`scopedlite._comm.distributed.end_of_block_barrier`), so the rank
-        that times out first can report where everyone was; elsewhere through the strategy.
+        that times out first can report where everyone was; in a world someone else started,
+        through the store it shares and the block's keys (``meeting``: the store and
+        :func:`~scopedlite._comm.distributed.block_end_prefix`), up to ``launch(timeout=)``;
+        without a store, through the strategy.
         With ``SCOPEDLITE_DEBUG=1`` the end of the block is checked like any collective of
         ours, so a rank still in a collective is named at once. ``check`` is called while the
         ranks meet through the store and may raise to give up (a worker has failed), and so is
@@ -183,6 +198,11 @@ class Role(ABC):
         if store_wait is not None and end_of_block_barrier(
             run.strategy.connection, run.global_rank, run.world_size, store_wait, waiting
         ):
+            return
+        if meeting is not None:
+            store, prefix = meeting
+            timeout = run.timeout.total_seconds()
+            meet_at_block_end(store, prefix, run.global_rank, run.world_size, timeout, waiting)
             return
         if final_gloo_barrier():
             return
@@ -212,12 +232,16 @@ class External(Role):
     def __init__(self, plan: Plan) -> None:
         super().__init__(plan)
         self.sigterm: SignalWatch | None = None
+        self.meeting: tuple[Any, str] | None = None  # where the ranks meet at the block's end
 
     def enter(self) -> Run:
         world = self.plan.world
         assert world is not None
         self.cores.share(self.plan, world.local_world_size)
         run = self.start_run(world, Rendezvous(world))
+        store = run_store(run.strategy.connection) if run.world_size > 1 else None
+        if store is not None:  # every rank, as the block starts: the block's keys
+            self.meeting = (store, block_end_prefix(store, run.world_size))
         # Nothing of ours can stop the other processes: on a stall each rank ends itself,
         # which ends the job under torchrun's agent, srun and mpirun.
         self.sigterm = SignalWatch()
@@ -228,7 +252,7 @@ class External(Role):
         assert self.run is not None
         try:
             if exc is None:
-                self.final_barrier()  # every rank done before the process group goes
+                self.final_barrier(meeting=self.meeting)  # every rank done before the group goes
             self.end_watchdog()
             self.end_signals()  # after the barrier: a SIGTERM there is a stop request, not death
             self.run.strategy.stop()

@@ -75,7 +75,7 @@ BUSY_SHARE = 0.1
 # called them tells whether the rank waits or works.
 _PASSING = ("/scopedlite/_launch/supervise.py", "/torch/_ops.py")
 # Our waits at the end of a launch block (through the store, or gloo's monitored barrier).
-_BLOCK_END = ("end_of_block_barrier", "final_gloo_barrier")
+_BLOCK_END = ("end_of_block_barrier", "meet_at_block_end", "final_gloo_barrier")
 # lite.join's rounds, named by the session's step that opened them (join/session.py).
 _JOIN_SESSION = "/scopedlite/_strategies/join/session.py"
 JOIN_BLOCK_END = "lite.join's round at the end of its block"
