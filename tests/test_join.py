@@ -509,6 +509,8 @@ def test_a_rank_skipping_a_backward_the_others_run_is_refused_on_every_rank_or_c
     )
     for rank in (rank0, rank1):
         assert rank["middle"]["error"].startswith(expected), rank["middle"]
+        assert 'skip = lite.all_reduce(float(not ok), op="max") > 0' in rank["middle"]["error"], rank["middle"]
+        assert "skip = " not in rank["eval"]["error"], rank["eval"]  # the same forward, one without gradients
         assert rank["eval"]["error"].startswith(alone) and rank["eval"]["after"] == 3.0, rank["eval"]
         assert rank["middle"]["after"] == 3.0  # the next collective pairs: 1 + 2
         assert rank["raises"]["after"] == 3.0, rank["raises"]

@@ -309,6 +309,15 @@ class Round:
                 "alone (`(i + 1) % n == 0`), the same on every rank: what a rank accumulated "
                 "before it ran out is contributed at the others' next synchronising backward."
             )
+        passes = all(o.kind in (Kind.FORWARD, Kind.BACKWARD) for o in said)
+        if passes and len({o.model for o in said}) == 1 and len({o.seq for o in said}) > 1:
+            return (
+                " One rank ran more forwards of the model than another: a step skipped on some "
+                "ranks only (`if not torch.isfinite(loss): continue`, an exception caught on "
+                "one rank) or a forward on one rank alone. Decide a skip on every rank together: "
+                '`skip = lite.all_reduce(float(not ok), op="max") > 0`, then `continue` '
+                "everywhere; evaluate after the block, or on every rank."
+            )
         if any(o.kind == Kind.COLLECTIVE for o in said):
             return (
                 " A collective on a rank's last batch (an end-of-epoch log keyed on `i == "
