@@ -201,7 +201,9 @@ _ZYGOTE = Zygote()
 # DeepSpeed's runs (a strategy named "deepspeed..." among the script's arguments) start from a
 # zygote that imported DeepSpeed (zygote.py says why); where a GPU is visible DeepSpeed would
 # pick it at import, so there they start from the plain one.
-_DEEPSPEED_ZYGOTE = Zygote(preload=() if torch.cuda.is_available() else ("deepspeed",))
+_DEEPSPEED_ZYGOTE = Zygote(
+    preload=() if torch.cuda.is_available() else ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer?")
+)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
