@@ -4,12 +4,13 @@ anything is loaded. Before, under ddp rank 0's replica alone took the values and
 parted for the rest of the run; under ZeRO-1/2 rank 0's partition of the master weights took
 them and the model became a mix; under fsdp rank 0's shards alone changed.
 
-The correct part: every rank loads the same model state (under ddp also the optimizer's: SGD
-with momentum), from a plain torch run, then trains two steps: equal to plain torch (under
-fsdp loaded with torch's set_model_state_dict, which calls the model's load_state_dict on
-every rank). Then the loads on rank 0 alone (caught; under fsdp of the state dicts the model
-and optimizer gave on every rank) and two more steps on every rank: still plain torch's, on
-every rank.
+The correct part: every rank loads the same model state (under ddp and fsdp also the
+optimizer's: SGD with momentum), from a plain torch run, with the model's and the optimizer's
+own load_state_dict, then trains two steps: equal to plain torch (under fsdp each rank takes
+its shard of each full tensor: fsdp/full_loads.py; before, torch refused the model's load and
+took the optimizer's full momenta, on which the next step failed). Then the loads on rank 0
+alone (caught; under fsdp of the state dicts the model and optimizer gave on every rank) and
+two more steps on every rank: still plain torch's, on every rank.
 """
 
 import copy
@@ -61,17 +62,12 @@ strategy = sys.argv[1]
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
     rank = run.global_rank
     model_state, opt_state = saved_state()
-    if strategy != "ddp":  # fsdp: a full optimizer state needs torch's own set_optimizer_state_dict
+    if strategy.startswith("deepspeed"):  # its optimizer holds flat partitions: lite.load converts a plain one
         opt_state = None
     expected = reference(model_state, copy.deepcopy(opt_state))  # torch loads share the tensors
     net = make_model()
     model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM))
-    if strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
-    else:
-        model.load_state_dict(model_state)  # every rank: passes
+    model.load_state_dict(model_state)  # every rank: passes
     if opt_state is not None:
         opt.load_state_dict(copy.deepcopy(opt_state))
     data = batches(rank, 4)

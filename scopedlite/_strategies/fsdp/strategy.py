@@ -27,6 +27,7 @@ from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._io.consolidate import optimizer_state_to_indices
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
+from scopedlite._strategies.fsdp.full_loads import shard_full_model_state, shard_full_optimizer_state
 from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate_degree, hsdp_shape
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
 from scopedlite._strategies.fsdp.join import FSDPJoinHook
@@ -290,10 +291,12 @@ class FSDPStrategy(ProcessGroupStrategy):
             self._run_patches.enter_context(whole_numbers(self._ledger))
             self._numbers_whole = True
 
-        # A state dict saved by one rank is loaded there only (shard_files.py).
+        # A state dict saved by one rank is loaded there only (shard_files.py); a plain one
+        # gives each rank its shard (full_loads.py).
         for handle in (
             module.register_state_dict_post_hook(tag_shards),
             module.register_load_state_dict_pre_hook(refuse_other_ranks_shards),
+            module.register_load_state_dict_pre_hook(shard_full_model_state),
         ):
             self.set_up.at_end(handle.remove)
 
@@ -360,10 +363,12 @@ class FSDPStrategy(ProcessGroupStrategy):
             )
         for params, position, new in swaps:
             params[position] = new
-        # A state dict saved by one rank is loaded there only (shard_files.py).
+        # A state dict saved by one rank is loaded there only (shard_files.py); a plain one
+        # gives each rank its shard (full_loads.py).
         for handle in (
             optimizer.register_state_dict_post_hook(tag_optimizer_shards),
             optimizer.register_load_state_dict_pre_hook(refuse_other_ranks_optimizer_shards),
+            optimizer.register_load_state_dict_pre_hook(shard_full_optimizer_state),
         ):
             self.set_up.at_end(handle.remove)
         self.set_up.add_optimizer(optimizer)
