@@ -142,6 +142,15 @@ def test_a_state_dict_loaded_on_some_ranks_only_is_refused(script, strategy):
     result = script("load_on_some_ranks", strategy, timeout=100)
     assert result.returncode == 0, result.explain()
     ranks = result.json()
+    for rank in ranks:
+        plain = rank["plain_optimizer"]
+        if strategy.startswith("deepspeed"):  # a plain optimizer's state, on every rank: refused, naming lite.load
+            assert plain is not None and plain.startswith(
+                "optimizer.load_state_dict() got the state of an optimizer"
+            ), plain
+            assert 'lite.load(path, {"model": model, "opt": opt})' in plain, plain
+        else:
+            assert plain is None, plain
     refused = ranks[0]["refused"]
     assert set(refused) == ({"model"} if strategy.startswith("deepspeed") else {"model", "optimizer"}), refused
     for what, error in refused.items():

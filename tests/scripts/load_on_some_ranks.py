@@ -6,11 +6,13 @@ them and the model became a mix; under fsdp rank 0's shards alone changed.
 
 The correct part: every rank loads the same model state (under ddp and fsdp also the
 optimizer's: SGD with momentum), from a plain torch run, with the model's and the optimizer's
-own load_state_dict, then trains two steps: equal to plain torch (under fsdp each rank takes
-its shard of each full tensor: fsdp/full_loads.py; before, torch refused the model's load and
-took the optimizer's full momenta, on which the next step failed). Then the loads on rank 0
-alone (caught; under fsdp of the state dicts the model and optimizer gave on every rank) and
-two more steps on every rank: still plain torch's, on every rank.
+own load_state_dict (under DeepSpeed the plain optimizer's is refused on every rank, naming
+lite.load: the engine holds the state in its flat partitions), then trains two steps: equal to
+plain torch (under fsdp each rank takes its shard of each full tensor: fsdp/full_loads.py;
+before, torch refused the model's load and took the optimizer's full momenta, on which the next
+step failed). Then the loads on rank 0 alone (caught; under fsdp of the state dicts the model
+and optimizer gave on every rank) and two more steps on every rank: still plain torch's, on
+every rank.
 """
 
 import copy
@@ -62,8 +64,9 @@ strategy = sys.argv[1]
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
     rank = run.global_rank
     model_state, opt_state = saved_state()
+    plain_opt_state = None
     if strategy.startswith("deepspeed"):  # its optimizer holds flat partitions: lite.load converts a plain one
-        opt_state = None
+        plain_opt_state, opt_state = opt_state, None
     expected = reference(model_state, copy.deepcopy(opt_state))  # torch loads share the tensors
     net = make_model()
     model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM))
@@ -71,7 +74,12 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
     if opt_state is not None:
         opt.load_state_dict(copy.deepcopy(opt_state))
     data = batches(rank, 4)
-    out = {"refused": {}}
+    out = {"refused": {}, "plain_optimizer": None}
+    if plain_opt_state is not None:  # every rank: refused, naming lite.load; nothing loaded
+        try:
+            opt.load_state_dict(plain_opt_state)
+        except ValueError as e:
+            out["plain_optimizer"] = str(e)
 
     def train(x):
         lite.backward(loss_of(model, x))

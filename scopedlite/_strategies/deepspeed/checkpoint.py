@@ -57,6 +57,7 @@ __all__ = [
     "load_engine",
     "load_engine_optimizer",
     "load_native",
+    "refuse_plain_optimizer_state",
     "save_checkpoint",
 ]
 
@@ -259,6 +260,33 @@ def _same(a: Any, b: Any) -> bool:
 
 def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+def refuse_plain_optimizer_state(stage: int) -> Any:
+    """A ``load_state_dict`` pre-hook for the user's optimizer under DeepSpeed: a state dict
+    whose parameter groups do not hold as many parameters as the optimizer's (a plain torch
+    optimizer's, loaded on every rank to resume) is refused, naming the way that converts it.
+    At ZeRO stages 1-3 the engine gives the optimizer its flat partitions (one tensor per
+    group) in place of the model's parameters, and torch refused the load with "loaded state
+    dict contains a parameter group that doesn't match the size of optimizer's group", which
+    names neither the cause nor the fix."""
+
+    def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        saved = [len(group["params"]) for group in state_dict.get("param_groups", [])]
+        held = [len(group["params"]) for group in optimizer.param_groups]
+        if saved != held:
+            raise ValueError(
+                f"optimizer.load_state_dict() got the state of an optimizer over {sum(saved)} "
+                f"parameter(s) (groups {saved}), but under strategy='deepspeed' (ZeRO stage {stage}) "
+                f"the engine holds this optimizer's state in its own flat partitions (its groups "
+                f"now hold {held} tensor(s)): a plain torch "
+                "optimizer's state cannot be loaded into it as it is. Use "
+                '`lite.load(path, {"model": model, "opt": opt})`, which converts a plain torch '
+                "checkpoint (a dict of the model's and the optimizer's state dicts) into each "
+                "rank's partitions, or a checkpoint lite.save wrote."
+            )
+
+    return hook
 
 
 def consolidate_deepspeed_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

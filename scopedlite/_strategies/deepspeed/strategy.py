@@ -299,6 +299,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # the ranks compare the optimizers that stepped at each backward (stepped.py)
             noted = self._counts.stepped.noter(optimizer) if self.placement.world_size > 1 else None
             step = _route_step_through_engine(optimizer, engine, self.set_up, self._before_step(engine, noted))
+            if self.stage >= 1:  # the optimizer holds the engine's flat partitions
+                hook = _checkpoint.refuse_plain_optimizer_state(self.stage)
+                self.set_up.at_end(optimizer.register_load_state_dict_pre_hook(hook).remove)
         # What the user gets is the user's model (engines.py), released when dropped.
         model = user_facing(engine, self.backward_model, step, nesting)
         record = self.engines.add(model, engine, optimizer)
