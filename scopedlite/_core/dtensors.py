@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["dtensor_class", "is_dtensor", "is_whole"]
+__all__ = ["dtensor_class", "is_dtensor", "is_whole", "shard_like"]
 
 
 def dtensor_class() -> type | None:
@@ -27,3 +27,11 @@ def is_whole(dtensor: Any) -> bool:
     """Whether every rank holds all of ``dtensor`` (replicated on every mesh dimension): not
     a shard, nor a partial sum or norm to be reduced."""
     return all(placement.is_replicate() for placement in dtensor.placements)
+
+
+def shard_like(full: Any, dtensor: Any) -> Any:
+    """The DTensor this rank's part of ``full`` (the whole value, the same on every rank) makes
+    when laid out as ``dtensor`` is: each rank cuts its own part, with no communication."""
+    from torch.distributed.tensor import distribute_tensor  # a DTensor exists: already imported
+
+    return distribute_tensor(full.to(dtensor.device), dtensor.device_mesh, dtensor.placements, src_data_rank=None)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from scopedlite._core.dtensors import shard_like
 from scopedlite._io.pretrained import PretrainedWeights
 from scopedlite._private.deepspeed_internals import zero3_local_part
 
@@ -86,7 +87,7 @@ def _fill_dtensor(tensor: Any, weights: PretrainedWeights, name: str, dtensor: A
             local.copy_(weights.rows(name, start, stop))
             return
     full = weights.full(name).to(device=local.device, dtype=local.dtype)
-    local.copy_(dtensor.distribute_tensor(full, mesh, tensor.placements, src_data_rank=None).to_local())
+    local.copy_(shard_like(full, tensor).to_local())
 
 
 def _check_shape(name: str, stored: tuple[int, ...], expected: tuple[int, ...]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from scopedlite._core.dtensors import is_dtensor
+from scopedlite._core.dtensors import is_dtensor, shard_like
 
 __all__ = ["shard_full_model_state", "shard_full_optimizer_state"]
 
@@ -58,7 +58,4 @@ def _shard_of(value: Any, param: Any) -> Any:
         return value
     if tuple(value.shape) != tuple(param.shape):
         return value
-    from torch.distributed.tensor import distribute_tensor
-
-    local = value.detach().to(param.device_mesh.device_type)
-    return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    return shard_like(value.detach(), param)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from scopedlite._core.dtensors import is_dtensor, shard_like
 from scopedlite._strategies.deferred.build import DeferredBuild
 
 if TYPE_CHECKING:
@@ -83,15 +84,9 @@ class Replay:
 
 
 def _copy_slice(param: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import (  # lazy: ~0.7 s to import
-        DTensor,
-        distribute_tensor,
-    )
-
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         # Every rank holds the full tensor: cut the local slice without communicating.
-        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(local.to_local())
+        param.to_local().copy_(shard_like(full, param).to_local())  # type: ignore[attr-defined]
     else:
         param.copy_(full)
 
