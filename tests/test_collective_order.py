@@ -19,24 +19,41 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_collective_on_rank_zero_alone_is_refused_at_its_next_call(script, strategy):
+def test_a_collective_on_rank_zero_alone_is_refused_at_once_or_at_its_next_call(script, strategy):
     """``if rank == 0: lite.all_reduce(x)`` while training goes on with a logged all-reduce on
-    every rank. Correct calls first: each value as plain arithmetic gives it. Then rank 0's
-    lone call meets rank 1's logged one (nothing can tell them apart: both get 102), and rank
-    0's own logged call is refused at once, naming rank 1's next training forward and the
-    fix: the run ends in seconds, not with gloo's abort or at launch(timeout=60)."""
+    every rank. Correct calls first: each value as plain arithmetic gives it. A collective
+    written on two lines is refused on both ranks at once, naming each rank's line. A lone
+    call from the same line as the others' next one (a helper) cannot be told apart (both get
+    102): rank 0's own next call is refused at once, naming rank 1's next training forward and
+    the fix. A lone call from a line of its own meeting rank 1's all-reduce of the same shape
+    (before: both got 100 + 2) is refused on both at once. The run ends in seconds, not with
+    gloo's abort or at launch(timeout=60)."""
     result = script("collective_on_some_ranks", strategy, timeout=90)
     assert result.returncode == 1, result.explain()
-    out = result.json()  # rank 0's values of the correct part
-    assert out["logged"] == [3.0, 3.0]  # 1 + 2
-    assert out["branches"] == [10.0, 10.0]  # 10 + 0, from two lines
+    out = result.json()  # rank 0's values
+    assert out["branches"] == [10.0, 10.0]  # 10 + 0, per-rank values passed on one line
     assert out["broadcast"] == "from rank 0"
     assert out["rows"] == [0, 0, 1]  # rank 0's one row, rank 1's two
-    assert "CollectiveOnSomeRanksError: lite.all_reduce() would wait for rank(s) [1]" in result.stderr, result.explain()
-    assert "raised on rank 0 of 2" in result.stderr, result.explain()
-    assert "rank 1 went on to training forward 3 (this rank has run 2)" in result.stderr, result.explain()
-    # the lone call met rank 1's logged one: nothing could tell them apart (100 + 2 on both)
-    assert "rank 1 logged 102.0" in result.stdout, result.explain()
+    two_lines = out["two_lines"]
+    assert two_lines.startswith("CollectiveMismatchError: The ranks called lite.all_reduce from different lines"), (
+        two_lines
+    )
+    assert two_lines.count("collective_on_some_ranks.py:") == 2, two_lines  # each rank's line
+    assert "rank 0: lite.all_reduce(op='sum') of float32[] at " in two_lines, two_lines
+    assert "if run.is_global_zero:" in two_lines and "lite.all_reduce(a if rank == 0 else b)" in two_lines
+    # the helper's lone call met rank 1's logged one from the same line: nothing could tell
+    # them apart (100 + 2 on both); rank 0's next call is refused, naming rank 1's forward
+    assert out["helper"] == 102.0
+    assert out["next"].startswith("CollectiveOnSomeRanksError: lite.all_reduce() would wait for rank(s) [1]")
+    assert "rank 1 went on to training forward 3 (this rank has run 2)" in out["next"], out["next"]
+    assert out["logged"] == [3.0, 3.0, 3.0]  # and the ranks went on in step
+    # the last lone call, from a line of its own: both ranks refused at once, no value
+    assert (
+        "rank 0 raised CollectiveMismatchError: The ranks called lite.all_reduce from different lines"
+        in (result.stderr)
+        or "rank 1 raised CollectiveMismatchError: The ranks called lite.all_reduce" in result.stderr
+    ), result.explain()
+    assert "rank 1 got" not in result.stdout and "rank 0 got" not in result.stdout, result.explain()
     assert "the collective on rank 0 alone was not refused" not in result.stderr
     assert "EnforceNotMet" not in result.stderr and "CollectiveTimeoutError" not in result.stderr
 
@@ -135,8 +152,9 @@ def test_a_state_dict_loaded_on_some_ranks_only_is_refused(script, strategy):
     took them and the replicas parted (0.9 apart in this script); under ZeRO-2 rank 0's
     partition of the master weights, a mix; under fsdp rank 0's shards. Now refused on rank 0
     before anything is loaded, naming rank 1's forward and the fix; the run trains on as plain
-    torch does. Loads on every rank (a plain state dict, torch's set_model_state_dict under
-    fsdp; the optimizer's under ddp) pass and train as plain torch."""
+    torch does. Loads on every rank of a plain torch run's state dicts (the model's; under ddp
+    and fsdp the optimizer's too, each rank taking its shard under fsdp) pass and train as
+    plain torch; under ZeRO-2 the plain optimizer's is refused, naming lite.load."""
     if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install scopedlite[deepspeed])")
     result = script("load_on_some_ranks", strategy, timeout=100)

@@ -28,3 +28,15 @@ def test_matching_collectives_pass_in_debug_mode(script):
     result = script("desync", "same", env={"SCOPEDLITE_DEBUG": "1"})
     assert result.returncode == 0, result.explain()
     assert result.json() == ["no error", "no error"]
+
+
+def test_a_call_site_is_named_alike_wherever_each_node_keeps_the_script():
+    """The line that calls a collective is compared between ranks (``_comm/signature.py``,
+    and lite.join's rounds): one node may run ``python train.py``, another
+    ``python /home/x/train.py``; the same line must compare equal, another line not."""
+    from scopedlite._comm.debug import site_id, site_name
+
+    here = site_id("/home/x/project/train.py:57")
+    assert here == site_id("train.py:57") == site_id("/scratch/job-12/train.py:57")
+    assert here != site_id("train.py:58") and here != site_id("/home/x/project/eval.py:57")
+    assert site_name(here) == "/home/x/project/train.py:57"  # shown as this process saw it first

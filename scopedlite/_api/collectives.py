@@ -9,7 +9,8 @@ never touch ``torch.distributed``.
 Outside ``lite.join``, ``all_reduce``, ``all_gather`` and ``gather_for_metrics`` first
 exchange one small row describing the call on every rank (``_comm/signature.py``), so shapes
 or dtypes that differ between ranks raise on every rank, naming each rank's, instead of
-delivering made-up values and aborting the process. Inside the block the session's rounds
+delivering made-up values and aborting the process; so do calls from different lines (a
+call on some ranks only meeting the others' next one of the same shape). Inside the block the session's rounds
 compare what the running ranks call, once a rank has run out of data. ``broadcast`` needs
 no check: its source sends a header describing what follows, and the receivers pass nothing
 of their own.
@@ -18,10 +19,11 @@ Outside ``lite.join`` every one of them also asks the strategy's gather ledger f
 (``_strategies/lockstep.py``): a rank that would wait in it for ranks that went on past it (to
 a later training forward, or the end of their block) raises ``CollectiveOnSomeRanksError`` at
 once. That is a collective called under ``if run.is_global_zero:``, or the first call after
-one: the lone call itself met another rank's next call of the same shape and nothing could
-tell them apart. Before, the lone rank met the others' gradient reduction or gathers (gloo
-aborted the process, NCCL hung) or waited until the timeout. It costs a store write and read
-per call (``SCOPEDLITE_ORDER_CHECK=0`` turns it off).
+one whose lone call met another rank's next call of the same shape from the same line (a
+helper called on rank 0 alone, then on every rank), which nothing can tell apart. Before,
+the lone rank met the others' gradient reduction or gathers (gloo aborted the process, NCCL
+hung) or waited until the timeout. It costs a store write and read per call
+(``SCOPEDLITE_ORDER_CHECK=0`` turns it off, and leaves the line out of the row).
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ import torch
 from scopedlite._api.current import current
 from scopedlite._api.join import active_session
 from scopedlite._api.repeats import without_repeats
-from scopedlite._comm.debug import check_same_collective, debug_enabled, describe, order_check_enabled
+from scopedlite._comm.debug import (
+    call_site,
+    check_same_collective,
+    debug_enabled,
+    describe,
+    order_check_enabled,
+    site_id,
+)
 from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
 from scopedlite._core.dtensors import is_dtensor
 from scopedlite._core.run import Run
@@ -122,6 +131,9 @@ class _Shown:
 
 
 def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor]) -> Call:
+    """This rank's call as the ranks compare it: with the line that called it, which tells
+    a call on some ranks only apart from the others' next one of the same shape."""
+    where = call_site()
     return Call(
         kind,
         op,
@@ -129,6 +141,8 @@ def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Te
         tuple(tensors),
         lambda: repr(_rebuilt(data, [_Shown(t) for t in tensors])),
         run.global_rank,
+        site=site_id(where) if order_check_enabled() else 0,
+        where=where,
     )
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 from typing import Any
 
 import torch
 
 from scopedlite._comm.wire import gather_objects
+from scopedlite._core.process import this_process
 
 __all__ = [
     "PACKAGE_DIR",
@@ -26,6 +28,8 @@ __all__ = [
     "check_same_collective",
     "debug_enabled",
     "order_check_enabled",
+    "site_id",
+    "site_name",
 ]
 
 # The scopedlite package folder (this file is in scopedlite/_comm/), with its separator: a
@@ -55,6 +59,22 @@ def call_site() -> str:
     if frame is None:
         return "<unknown>"
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def site_id(name: str) -> int:
+    """A stable integer for a call site ``file:line`` (as :func:`call_site` names it), the same
+    on every rank wherever each node keeps the script: the file's folder is left out (one
+    node runs ``python train.py``, another ``python /home/x/train.py``, and they call from the
+    same line). The process keeps the name, to show it (:func:`site_name`)."""
+    path, _, line = name.rpartition(":")
+    value = zlib.crc32(f"{os.path.basename(path)}:{line}".encode()) & 0x7FFFFFFF
+    this_process.site_names.setdefault(value, name)
+    return value
+
+
+def site_name(value: int) -> str:
+    """The name of a call site by its :func:`site_id`, as this process saw it."""
+    return this_process.site_names.get(value, f"site #{value}")
 
 
 def describe(

@@ -5,13 +5,24 @@ Given tensors of different sizes on different ranks, gloo reads past what each r
 doesn't match expected size"), naming no rank; tensors of the same size but another dtype
 are reinterpreted silently. So ``lite.all_reduce``, ``lite.all_gather`` and
 ``lite.gather_for_metrics`` first exchange one int64 row per rank that describes the
-whole call: which collective and op, the nest's structure, and each leaf's dtype and sizes.
+whole call: which collective and op, the line that called it, the nest's structure, and each
+leaf's dtype and sizes.
 The row has the same length whatever the call, so this exchange always matches; a
 description too long for it travels as its length and a digest. The plain collectives
 compare the rows with one small all-reduce (the largest and smallest value of each slot);
 ``gather_for_metrics`` gathers them, since it needs each rank's first dimensions. Every rank
 reads the same result, so on a difference every rank raises at once, before any data
-travels, naming each rank's shapes (a second exchange, on that path only, brings the readable descriptions).
+travels, naming each rank's shapes and line (a second exchange, on that path only, brings the
+readable descriptions).
+
+**The line.** Collectives pair in the order the ranks call them. A call on some ranks only
+(``if run.is_global_zero: lite.all_reduce(metric)``) meets the others' next collective; where
+that one has the same shape (a loss logged every step), the shapes cannot tell them apart and
+both would return a mix of the two. The calling line can (``_comm/debug.py``:
+:func:`~scopedlite._comm.debug.site_id`), so the calls are refused on every rank at once,
+naming each rank's line, as ``lite.join``'s rounds refuse them. The same collective written
+on two lines (``if rank == 0: lite.all_reduce(a)`` / ``else: lite.all_reduce(b)``) is refused
+too, naming the one-line form; ``SCOPEDLITE_ORDER_CHECK=0`` leaves the line out of the row.
 
 ``gather_for_metrics`` reads each rank's first dimensions from the same rows (from a second
 exchange when a nest is too big for a row): tensors whose first dimension differs by rank
@@ -41,7 +52,7 @@ _OPS = (None, *TORCH_OPS)
 _ALL_DTYPES: tuple[torch.dtype, ...] = DTYPES + tuple(
     sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(DTYPES), key=str)
 )
-_DESCRIPTION_AT = 4  # kind, op, structure digest, number of leaves; then per leaf dtype, ndim, dims
+_DESCRIPTION_AT = 5  # kind, op, structure digest, number of leaves, line; then per leaf dtype, ndim, dims
 
 
 class ShapeMismatchError(CollectiveMismatchError, ValueError):
@@ -60,6 +71,8 @@ class Call:
         tensors: The leaves as they travel, in the order the nest is walked.
         shown: The nest with each leaf as :func:`leaf_text` shows it, for the error only.
         rank: This rank's global rank, to name it in the error.
+        site: The calling line's :func:`~scopedlite._comm.debug.site_id` (0: not compared).
+        where: That line, ``file:line``, for the error only.
     """
 
     kind: str
@@ -68,9 +81,17 @@ class Call:
     tensors: tuple[torch.Tensor, ...]
     shown: Callable[[], str]
     rank: int
+    site: int = 0
+    where: str = ""
 
     def description(self) -> list[int]:
-        out = [_KINDS.index(self.kind), _OPS.index(self.op), _digest(self.structure.encode()), len(self.tensors)]
+        out = [
+            _KINDS.index(self.kind),
+            _OPS.index(self.op),
+            _digest(self.structure.encode()),
+            len(self.tensors),
+            self.site,
+        ]
         for tensor in self.tensors:
             out += [_ALL_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
         return out
@@ -121,13 +142,27 @@ def first_dims(call: Call, gather: Gather) -> list[list[int]]:
 
 def _refuse(call: Call, gather: Gather) -> None:
     """Every rank is here together: exchange what each called, and raise the same error."""
-    seen = gather_objects((call.rank, call.shown(), call.description()), gather)
-    table = "\n".join(f"  rank {rank}: lite.{_KINDS[d[0]]}{_op_text(d[1])} of {shown}" for rank, shown, d in seen)
-    descriptions = [d for _, _, d in seen]
+    seen = gather_objects((call.rank, call.shown(), call.description(), call.where), gather)
+    table = "\n".join(
+        f"  rank {rank}: lite.{_KINDS[d[0]]}{_op_text(d[1])} of {shown}" + (f" at {where}" if where else "")
+        for rank, shown, d, where in seen
+    )
+    descriptions = [d for _, _, d, _ in seen]
     if len({(d[0], d[1]) for d in descriptions}) > 1:
         raise CollectiveMismatchError(
             f"The ranks called different collectives at the same point:\n{table}\n"
             "Every rank must call the same collectives, with the same op, in the same order."
+        )
+    if len({d[4] for d in descriptions}) > 1:
+        raise CollectiveMismatchError(
+            f"The ranks called lite.{call.kind} from different lines:\n{table}\n"
+            "Collectives pair in the order the ranks call them, so these calls would have "
+            "exchanged each other's values. Usually one of them runs on some ranks only (inside "
+            "`if run.is_global_zero:`) and met the others' next collective: call it on every "
+            "rank and use the result on one (`total = lite.all_reduce(x)` everywhere, then `if "
+            "run.is_global_zero: print(total)`). Where the ranks pass different values to one "
+            "collective, call it from one line: `lite.all_reduce(a if rank == 0 else b)`. "
+            "SCOPEDLITE_ORDER_CHECK=0 turns this check off."
         )
     if len({(d[2], d[3]) for d in descriptions}) > 1:
         what, fix = (

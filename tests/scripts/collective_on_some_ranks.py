@@ -2,17 +2,24 @@
 lite.all_reduce(...)``, as an evaluation on rank 0 does, while the training loop goes on with a
 logged ``lite.all_reduce`` on every rank.
 
-Rank 0's lone call meets rank 1's logged all-reduce, of the same shape: both return a wrong
-value, and nothing can tell the two calls apart yet. Rank 0's own logged call then finds rank
-1 gone on to its next training forward and is refused there, at once, naming the fix. Before,
-that call met rank 1's gradient all-reduce (ddp: gloo aborted the process) or its gathers
-(fsdp: a wait until launch(timeout=)). (Where the others' next step is a training forward, the
-lone call itself is refused: tests/test_collective_order.py runs stall.py's ``backward``.)
-
 First, what correct scripts do, which must go through with the right values: a logged
-all-reduce each step, the same collective from two lines (``if rank == 0: ... else: ...``), a
-broadcast from rank 0, gather_for_metrics of rows that differ in number by rank, a barrier
-after rank 0 works alone.
+all-reduce each step, per-rank values passed on one line, a broadcast from rank 0,
+gather_for_metrics of rows that differ in number by rank, a barrier after rank 0 works alone.
+
+Then three calls that would pair wrongly, each refused (the first two caught: the ranks stay
+in step):
+- the same collective written on two lines (``if rank == 0: ... else: ...``): refused at once,
+  naming both lines and the one-line form (it passed before; inside lite.join the rounds
+  refused it, but only once a rank had run out of data);
+- a lone call through a helper (the same line as the others' next call): nothing can tell the
+  two apart, both get 102, and rank 0's next call finds rank 1 gone on to its training forward
+  and is refused there, naming the fix. Before the ledger's check, that call met rank 1's
+  gradient all-reduce (ddp: gloo aborted the process) or its gathers (fsdp: a wait until
+  launch(timeout=)). (Where the others' next step is a training forward, the lone call itself
+  is refused: tests/test_collective_order.py runs stall.py's ``backward``.)
+- rank 0's lone call from a line of its own, meeting rank 1's all-reduce of the same shape:
+  both returned a mix of the two (102) before, and only rank 0's next call was refused; now
+  the lines tell them apart and both raise at once (uncaught: the run ends).
 """
 
 import sys
@@ -38,19 +45,38 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
 
     for _ in range(2):
         step()
-        if rank == 0:  # the same collective from another line: it runs on every rank
-            out["branches"].append(float(lite.all_reduce(torch.tensor(10.0))))
-        else:
-            out["branches"].append(float(lite.all_reduce(torch.tensor(0.0))))
+        out["branches"].append(float(lite.all_reduce(torch.tensor(10.0 if rank == 0 else 0.0))))
     out["broadcast"] = lite.broadcast("from rank 0" if rank == 0 else None, src=0)
     out["rows"] = lite.gather_for_metrics(torch.arange(rank + 1)).tolist()
     if rank == 0:
         time.sleep(1.0)  # rank 0 works alone; the others wait for it in the barrier
     lite.barrier()
+
+    def refused(call):
+        try:
+            return f"no error: {call()}"
+        except lite.CollectiveMismatchError as e:
+            return f"{type(e).__name__}: {e}"
+
+    if rank == 0:  # the same collective from two lines
+        out["two_lines"] = refused(lambda: lite.all_reduce(torch.tensor(10.0)))
+    else:
+        out["two_lines"] = refused(lambda: lite.all_reduce(torch.tensor(0.0)))
+
+    def logged(value):
+        return float(lite.all_reduce(torch.tensor(value)))
+
+    if rank == 0:  # rank 0 alone, through the helper: it meets rank 1's logged call below
+        out["helper"] = logged(100.0)
+        try:
+            logged(1.0)  # rank 0's own logged call: rank 1 went on to its training forward
+        except lite.CollectiveOnSomeRanksError as e:
+            out["next"] = f"{type(e).__name__}: {e}"  # a script that catches it stays in step
+    else:
+        out["helper"] = logged(2.0)
+    step()
     if rank == 0:
         write(out)
-        lite.all_reduce(torch.tensor(100.0))  # rank 0 alone: it meets rank 1's logged call below
-    print(f"rank {rank} logged {float(lite.all_reduce(torch.tensor(float(rank + 1))))}", flush=True)
-    for _ in range(2):
-        step()
+        lite.all_reduce(torch.tensor(100.0))  # rank 0 alone, from a line of its own
+    print(f"rank {rank} got {float(lite.all_reduce(torch.tensor(float(rank + 1))))}", flush=True)
     raise AssertionError("the collective on rank 0 alone was not refused")

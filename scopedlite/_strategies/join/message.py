@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable
 
 import torch
 
+from scopedlite._comm.debug import site_name
 from scopedlite._comm.wire import DTYPES, MAX_DIMS
-from scopedlite._core.process import this_process
 from scopedlite._strategies.base import REDUCE_OPS
 
 __all__ = [
@@ -221,18 +220,6 @@ _SCALARS = [f for f in dataclasses.fields(Step) if f.type in _FROM_FLOAT]
 _HEADER_AT = len(_SCALARS)  # collective, op, dtype, src, payload, ndim, shape...
 _EVENTS_AT = _HEADER_AT + 6 + MAX_DIMS  # the count, then (action, index, value) each
 LENGTH = _EVENTS_AT + 1 + 3 * MAX_EVENTS
-
-
-def site_id(name: str) -> int:
-    """A stable integer for a call site ``file:line`` (the same on every rank); the process
-    keeps its name (``this_process.site_names``)."""
-    value = zlib.crc32(name.encode()) & 0x7FFFFFFF
-    this_process.site_names.setdefault(value, name)
-    return value
-
-
-def site_name(value: int) -> str:
-    return this_process.site_names.get(value, f"site #{value}")
 
 
 class Round:

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.debug import call_site
+from scopedlite._comm.debug import call_site, site_id
 from scopedlite._comm.distributed import broadcast_any, gather_into_later
 from scopedlite._comm.replicas import reduce_rows
 from scopedlite._comm.wire import wire_dtype
@@ -101,7 +101,6 @@ from scopedlite._strategies.join.message import (
     Kind,
     Round,
     Step,
-    site_id,
 )
 
 if TYPE_CHECKING:
