@@ -35,8 +35,10 @@ from _fsdp_common import (
     make_data,
     make_net,
     make_optimizer,
+    plain_run_state,
     probe,
     reference,
+    step_after_plain_load,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -309,6 +311,19 @@ def test_hsdp_two_replicas_of_two_shards_train_and_join_like_one_process(script,
     alone = ranks[0]["alone"]
     assert "ran on rank(s) [0] only" in alone and "waits in a collective" in alone, alone
     assert "strategy='fsdp'" in alone and "lite.join(model)" in alone, alone
+
+    # a plain torch run's state dicts loaded on every rank with load_state_dict: each rank took
+    # its shard (AdamW's moments too), and the next step is plain torch's
+    model_state, opt_state = plain_run_state()
+    torch.manual_seed(11)
+    resumed = make_net()
+    ropt = make_optimizer("adamw", resumed.parameters())
+    resumed.load_state_dict(model_state)
+    ropt.load_state_dict(opt_state)
+    assert out["plain_loaded"] == _flat(resumed)  # exactly
+    x, y = make_data()
+    step_after_plain_load(resumed, ropt, lambda s: (x[s], y[s]), lambda loss: loss.backward())
+    assert_close(out["plain_loaded_step"], _flat(resumed), 1e-6, "the step after a plain load")
 
     # lite.join: ranks with 3, 1, 0 and 2 batches, every step as one process computes it
     expected = _joined_reference()

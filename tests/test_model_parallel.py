@@ -227,6 +227,9 @@ def test_two_dimensional_run_trains_evaluates_and_checkpoints_like_one_process(s
     for mine in ranks:
         assert mine["from_single"]["params"] == expected and mine["from_single"]["step"] == 3
         assert_close(mine["from_single"]["after_step"], _flat(single), 1e-6, "the step after a single checkpoint")
+        # the same file through torch.load and torch's own load_state_dict (a DDP script's resume)
+        assert mine["plain_loads"]["params"] == expected
+        assert_close(mine["plain_loads"]["after_step"], _flat(single), 1e-6, "the step after a plain load")
 
     # ... and in one process, without processes: the full file as it is, the folder consolidated,
     # and the folder as it is

@@ -113,3 +113,30 @@ def _record_norms(model: torch.nn.Module, norms: dict[str, float] | None) -> Non
 
 def probe() -> torch.Tensor:
     return torch.linspace(-1, 1, 3 * IN).reshape(3, IN)
+
+
+def plain_run_state() -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a plain torch run saves (``model.state_dict()``, ``opt.state_dict()``): a net of
+    seed 5 after one AdamW step on the first global batch, in one process."""
+    torch.manual_seed(5)
+    model = make_net()
+    opt = make_optimizer("adamw", model.parameters())
+    x, y = make_data()
+    _loss(model(x[:BATCH]), y[:BATCH]).backward()
+    opt.step()
+    opt.zero_grad()
+    return model.state_dict(), opt.state_dict()
+
+
+def step_after_plain_load(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    rows: Callable[[slice], tuple[torch.Tensor, torch.Tensor]],
+    backward: Callable[[torch.Tensor], None],
+) -> None:
+    """The step a resumed run takes after loading :func:`plain_run_state`: the second global
+    batch, ``rows`` giving this rank's part of it (the whole batch in one process)."""
+    x, y = rows(slice(BATCH, 2 * BATCH))
+    backward(_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()

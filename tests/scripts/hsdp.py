@@ -2,7 +2,8 @@
 
 One launch: ``sharded_init`` and the DDP user's set-up line, training with accumulation under
 ``lite.no_backward_sync`` and clipping (each backward's reducing collectives counted), a
-forward on rank 0 alone (refused), then ``lite.join`` over uneven data (ranks with 3, 1, 0 and 2
+forward on rank 0 alone (refused), a plain torch run's state dicts loaded with torch's own
+``load_state_dict`` and one more step, then ``lite.join`` over uneven data (ranks with 3, 1, 0 and 2
 batches) dividing by the initial and by the running world size. Rank 0 writes every rank's
 record; tests/test_fsdp.py replays the recipe with plain torch in one process.
 """
@@ -11,7 +12,18 @@ import torch
 
 import scopedlite as lite
 from _common import from_every_rank, write
-from _fsdp_common import JOIN_BATCH, JOIN_CLIP, JOIN_SEED, join_rows, make_data, make_net, make_optimizer, train
+from _fsdp_common import (
+    JOIN_BATCH,
+    JOIN_CLIP,
+    JOIN_SEED,
+    join_rows,
+    make_data,
+    make_net,
+    make_optimizer,
+    plain_run_state,
+    step_after_plain_load,
+    train,
+)
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -89,6 +101,18 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
         except lite.ForwardOnSomeRanksError as e:
             mine["alone"] = str(e)
     lite.barrier()
+
+    # a plain torch run's state dicts, loaded on every rank with torch's own load_state_dict as
+    # a DDP script resumes: each rank takes its shard of each full tensor (fsdp/full_loads.py)
+    model_state, opt_state = plain_run_state()
+    torch.manual_seed(11)  # other values: the loads must replace them
+    net = make_net()
+    resumed, ropt = lite.setup(net, make_optimizer("adamw", net.parameters()))
+    resumed.load_state_dict(model_state)
+    ropt.load_state_dict(opt_state)
+    out["plain_loaded"] = params(resumed)
+    step_after_plain_load(resumed, ropt, lambda s: (x[s][rank::4], y[s][rank::4]), lite.backward)
+    out["plain_loaded_step"] = params(resumed)
 
     # lite.join over uneven data, each rank its own rows: dividing by the initial world size
     # (clipped by norm, the mean loss over the running ranks each step), then by the running one

@@ -150,6 +150,16 @@ with lite.launch(strategy=strategy, devices=4, accelerator="cpu", timeout=90) as
     lite.load(folder / "single.ckpt", state)
     mine["from_single"] = {"params": full(moved), "step": state["step"]}
     mine["from_single"]["after_step"] = one_more_step(moved, mopt, run.data_parallel_rank, run.data_parallel_size)
+    # the same file read with torch.load and loaded with torch's own load_state_dict on every
+    # rank, as a DDP script resumes: each rank takes its slice of each full tensor
+    torch.manual_seed(98)
+    again = make_net()
+    again, aopt = lite.setup(again, torch.optim.AdamW(again.parameters(), lr=1e-2))
+    saved = torch.load(folder / "single.ckpt", weights_only=True)
+    again.load_state_dict(saved["model"])
+    aopt.load_state_dict(saved["opt"])
+    mine["plain_loads"] = {"params": full(again)}
+    mine["plain_loads"]["after_step"] = one_more_step(again, aopt, run.data_parallel_rank, run.data_parallel_size)
 
     # lite.join over uneven data-parallel shards (replica 0: 5 batches, replica 1: 3), twice:
     # dividing by the initial number of replicas (clipped by norm), then by the running ones
