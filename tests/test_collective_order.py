@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_collective_on_rank_zero_alone_is_refused_at_once_or_at_its_next_call(script, strategy):
     """``if rank == 0: lite.all_reduce(x)`` while training goes on with a logged all-reduce on
     every rank. Correct calls first: each value as plain arithmetic gives it. A collective
-    written on two lines is refused on both ranks at once, naming each rank's line. A lone
+    written on two lines is refused on both ranks at once, naming each rank's line; so is a
+    broadcast from two lines, or with a different source rank on each (before: every rank
+    sent, and gloo waited until the timeout). A lone
     call from the same line as the others' next one (a helper) cannot be told apart (both get
     102): rank 0's own next call is refused at once, naming rank 1's next training forward and
     the fix. A lone call from a line of its own meeting rank 1's all-reduce of the same shape
@@ -41,6 +43,11 @@ def test_a_collective_on_rank_zero_alone_is_refused_at_once_or_at_its_next_call(
     assert two_lines.count("collective_on_some_ranks.py:") == 2, two_lines  # each rank's line
     assert "rank 0: lite.all_reduce(op='sum') of float32[] at " in two_lines, two_lines
     assert "if run.is_global_zero:" in two_lines and "lite.all_reduce(a if rank == 0 else b)" in two_lines
+    sources, lines = out["broadcast_src"], out["broadcast_lines"]
+    assert sources.startswith("CollectiveMismatchError: The ranks called lite.broadcast with different source"), sources
+    assert "rank 0: lite.broadcast(src=0) at " in sources and "rank 1: lite.broadcast(src=1) at " in sources, sources
+    assert lines.startswith("CollectiveMismatchError: The ranks called lite.broadcast from different lines"), lines
+    assert lines.count("collective_on_some_ranks.py:") == 2, lines
     # the helper's lone call met rank 1's logged one from the same line: nothing could tell
     # them apart (100 + 2 on both); rank 0's next call is refused, naming rank 1's forward
     assert out["helper"] == 102.0

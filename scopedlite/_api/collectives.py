@@ -10,10 +10,10 @@ Outside ``lite.join``, ``all_reduce``, ``all_gather`` and ``gather_for_metrics``
 exchange one small row describing the call on every rank (``_comm/signature.py``), so shapes
 or dtypes that differ between ranks raise on every rank, naming each rank's, instead of
 delivering made-up values and aborting the process; so do calls from different lines (a
-call on some ranks only meeting the others' next one of the same shape). Inside the block the session's rounds
-compare what the running ranks call, once a rank has run out of data. ``broadcast`` needs
-no check: its source sends a header describing what follows, and the receivers pass nothing
-of their own.
+call on some ranks only meeting the others' next one of the same shape). ``broadcast``'s
+receivers pass nothing of their own (its source sends a header describing what follows), so
+it compares only the source rank and the line, in one small all-reduce. Inside the block the
+session's rounds compare what the running ranks call, once a rank has run out of data.
 
 Outside ``lite.join`` every one of them also asks the strategy's gather ledger first
 (``_strategies/lockstep.py``): a rank that would wait in it for ranks that went on past it (to
@@ -43,7 +43,7 @@ from scopedlite._comm.debug import (
     order_check_enabled,
     site_id,
 )
-from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
+from scopedlite._comm.signature import Call, check_same, check_same_source, first_dims, leaf_text
 from scopedlite._core.dtensors import is_dtensor
 from scopedlite._core.run import Run
 from scopedlite._core.structures import map_leaves, map_tensors, structure_of
@@ -301,6 +301,10 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     target = _target(run)
     _on_every_rank(run, target, "broadcast")
     _check(run, target, describe("broadcast", src=src))
+    if target is run.strategy or target.in_step():  # inside lite.join's rounds: they compare both
+        strategy, where = run.strategy, call_site()
+        site = site_id(where) if order_check_enabled() else 0
+        check_same_source(src, site, where, run.global_rank, strategy.all_gather, strategy.all_reduce)
     result = target.broadcast(obj, src)
     return map_tensors(result, lambda t: t.to(run.device))
 

@@ -40,7 +40,7 @@ import torch
 from scopedlite._comm.debug import CollectiveMismatchError
 from scopedlite._comm.wire import DTYPES, TORCH_OPS, gather_objects
 
-__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "first_dims"]
+__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "check_same_source", "first_dims"]
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # stacks every taking-part rank's tensor, in rank order
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, op) -> reduced over the same ranks
@@ -126,6 +126,31 @@ def check_same(call: Call, gather: Gather, reduce: Reduce) -> None:
         _refuse(call, gather)
 
 
+def check_same_source(src: int, site: int, where: str, rank: int, gather: Gather, reduce: Reduce) -> None:
+    """For ``lite.broadcast``: raise on every rank unless every rank names the same source
+    rank ``src`` and calls from the same line (``site``; 0 on every rank: not compared).
+
+    The receivers pass nothing of their own, so a shape check has nothing to compare; but a
+    source rank named differently (``src=rank``) leaves every rank sending, and a broadcast on
+    some ranks only meets the others' next one and hands them the wrong object. One all-reduce
+    of ``[src, site]`` beside its negation, as :func:`check_same`; on a difference ``gather``
+    brings each rank's call (``where``: its ``file:line``), for the error.
+    """
+    row = torch.tensor([src, site], dtype=torch.int64)
+    extremes = reduce(torch.cat([row, -row]), "max")
+    if torch.equal(extremes[:2], -extremes[2:]):
+        return
+    seen = gather_objects((rank, src, where), gather)
+    table = "\n".join(f"  rank {r}: lite.broadcast(src={source}) at {line}" for r, source, line in seen)
+    if len({source for _, source, _ in seen}) > 1:
+        raise CollectiveMismatchError(
+            f"The ranks called lite.broadcast with different source ranks:\n{table}\n"
+            "Every rank names the same source: `obj = lite.broadcast(obj, src=0)` on every "
+            "rank (what the other ranks pass is ignored)."
+        )
+    raise CollectiveMismatchError(f"The ranks called lite.broadcast from different lines:\n{table}\n{_LINES_FIX}")
+
+
 def first_dims(call: Call, gather: Gather) -> list[list[int]]:
     """For ``gather_for_metrics``: every taking-part rank's first dimension of each leaf
     (``[rank][leaf]``, in rank order), after checking that the ranks agree in all else."""
@@ -154,16 +179,7 @@ def _refuse(call: Call, gather: Gather) -> None:
             "Every rank must call the same collectives, with the same op, in the same order."
         )
     if len({d[4] for d in descriptions}) > 1:
-        raise CollectiveMismatchError(
-            f"The ranks called lite.{call.kind} from different lines:\n{table}\n"
-            "Collectives pair in the order the ranks call them, so these calls would have "
-            "exchanged each other's values. Usually one of them runs on some ranks only (inside "
-            "`if run.is_global_zero:`) and met the others' next collective: call it on every "
-            "rank and use the result on one (`total = lite.all_reduce(x)` everywhere, then `if "
-            "run.is_global_zero: print(total)`). Where the ranks pass different values to one "
-            "collective, call it from one line: `lite.all_reduce(a if rank == 0 else b)`. "
-            "SCOPEDLITE_ORDER_CHECK=0 turns this check off."
-        )
+        raise CollectiveMismatchError(f"The ranks called lite.{call.kind} from different lines:\n{table}\n{_LINES_FIX}")
     if len({(d[2], d[3]) for d in descriptions}) > 1:
         what, fix = (
             "nests of a different structure",
@@ -181,6 +197,16 @@ def _refuse(call: Call, gather: Gather) -> None:
         f"exchange them (torch.distributed would deliver made-up values or abort the process):\n"
         f"{table}\n{fix}"
     )
+
+
+_LINES_FIX = (
+    "Collectives pair in the order the ranks call them, so these calls would have exchanged "
+    "each other's values. Usually one of them runs on some ranks only (inside `if "
+    "run.is_global_zero:`) and met the others' next collective: call it on every rank and use "
+    "the result on one (`total = lite.all_reduce(x)` everywhere, then `if run.is_global_zero: "
+    "print(total)`). Where the ranks pass different values to one collective, call it from one "
+    "line: `lite.all_reduce(a if rank == 0 else b)`. SCOPEDLITE_ORDER_CHECK=0 turns this check off."
+)
 
 
 def _shape_fix(kind: str) -> str:

@@ -10,7 +10,8 @@ Then three calls that would pair wrongly, each refused (the first two caught: th
 in step):
 - the same collective written on two lines (``if rank == 0: ... else: ...``): refused at once,
   naming both lines and the one-line form (it passed before; inside lite.join the rounds
-  refused it, but only once a rank had run out of data);
+  refused it, but only once a rank had run out of data); so is a broadcast whose ranks name
+  different sources (``src=rank``: every rank sent) or call it from two lines;
 - a lone call through a helper (the same line as the others' next call): nothing can tell the
   two apart, both get 102, and rank 0's next call finds rank 1 gone on to its training forward
   and is refused there, naming the fix. Before the ledger's check, that call met rank 1's
@@ -62,6 +63,11 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
         out["two_lines"] = refused(lambda: lite.all_reduce(torch.tensor(10.0)))
     else:
         out["two_lines"] = refused(lambda: lite.all_reduce(torch.tensor(0.0)))
+    out["broadcast_src"] = refused(lambda: lite.broadcast("mine", src=rank))  # each rank names itself
+    if rank == 0:  # a broadcast from two lines: rank 1 would receive what rank 0 sent at its own
+        out["broadcast_lines"] = refused(lambda: lite.broadcast("config", src=0))
+    else:
+        out["broadcast_lines"] = refused(lambda: lite.broadcast(None, src=0))
 
     def logged(value):
         return float(lite.all_reduce(torch.tensor(value)))
