@@ -23,8 +23,8 @@ def test_a_collective_on_rank_zero_alone_is_refused_at_once_or_at_its_next_call(
     """``if rank == 0: lite.all_reduce(x)`` while training goes on with a logged all-reduce on
     every rank. Correct calls first: each value as plain arithmetic gives it. A collective
     written on two lines is refused on both ranks at once, naming each rank's line; so is a
-    broadcast from two lines, or with a different source rank on each (before: every rank
-    sent, and gloo waited until the timeout). A lone
+    broadcast from two lines, with a different source rank on each (before: every rank sent,
+    and gloo waited until the timeout), or meeting an all-reduce. A lone
     call from the same line as the others' next one (a helper) cannot be told apart (both get
     102): rank 0's own next call is refused at once, naming rank 1's next training forward and
     the fix. A lone call from a line of its own meeting rank 1's all-reduce of the same shape
@@ -48,6 +48,9 @@ def test_a_collective_on_rank_zero_alone_is_refused_at_once_or_at_its_next_call(
     assert "rank 0: lite.broadcast(src=0) at " in sources and "rank 1: lite.broadcast(src=1) at " in sources, sources
     assert lines.startswith("CollectiveMismatchError: The ranks called lite.broadcast from different lines"), lines
     assert lines.count("collective_on_some_ranks.py:") == 2, lines
+    kinds = out["kinds"]
+    assert kinds.startswith("CollectiveMismatchError: The ranks called different collectives at the same point"), kinds
+    assert "rank 0: lite.broadcast(src=0) at " in kinds and "rank 1: lite.all_reduce(op='sum') of float32[]" in kinds
     # the helper's lone call met rank 1's logged one from the same line: nothing could tell
     # them apart (100 + 2 on both); rank 0's next call is refused, naming rank 1's forward
     assert out["helper"] == 102.0

@@ -12,8 +12,8 @@ or dtypes that differ between ranks raise on every rank, naming each rank's, ins
 delivering made-up values and aborting the process; so do calls from different lines (a
 call on some ranks only meeting the others' next one of the same shape). ``broadcast``'s
 receivers pass nothing of their own (its source sends a header describing what follows), so
-it compares only the source rank and the line, in one small all-reduce. Inside the block the
-session's rounds compare what the running ranks call, once a rank has run out of data.
+its row holds the source rank and the line. Inside the block the session's rounds compare
+what the running ranks call, once a rank has run out of data.
 
 Outside ``lite.join`` every one of them also asks the strategy's gather ledger first
 (``_strategies/lockstep.py``): a rank that would wait in it for ranks that went on past it (to
@@ -43,7 +43,7 @@ from scopedlite._comm.debug import (
     order_check_enabled,
     site_id,
 )
-from scopedlite._comm.signature import Call, check_same, check_same_source, first_dims, leaf_text
+from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
 from scopedlite._core.dtensors import is_dtensor
 from scopedlite._core.run import Run
 from scopedlite._core.structures import map_leaves, map_tensors, structure_of
@@ -130,7 +130,7 @@ class _Shown:
         return self.text
 
 
-def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor]) -> Call:
+def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor], src: int = -1) -> Call:
     """This rank's call as the ranks compare it: with the line that called it, which tells
     a call on some ranks only apart from the others' next one of the same shape."""
     where = call_site()
@@ -143,16 +143,20 @@ def _call(run: Run, kind: str, op: str | None, data: Any, tensors: list[torch.Te
         run.global_rank,
         site=site_id(where) if order_check_enabled() else 0,
         where=where,
+        src=src,
     )
 
 
-def _checked(run: Run, target: Any, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor]) -> None:
-    """The per-call check of shapes: outside ``lite.join``, and inside it while every rank
-    has data (the session runs free, every rank in this call). Once a rank has run out, the
-    session's rounds compare what the running ranks call instead."""
+def _checked(
+    run: Run, target: Any, kind: str, op: str | None, data: Any, tensors: list[torch.Tensor], src: int = -1
+) -> None:
+    """The per-call check of shapes (a broadcast's: its source rank) and line: outside
+    ``lite.join``, and inside it while every rank has data (the session runs free, every rank
+    in this call). Once a rank has run out, the session's rounds compare what the running
+    ranks call instead."""
     strategy = run.strategy
     if target is strategy or target.in_step():
-        check_same(_call(run, kind, op, data, tensors), strategy.all_gather, strategy.all_reduce)
+        check_same(_call(run, kind, op, data, tensors, src), strategy.all_gather, strategy.all_reduce)
 
 
 def all_reduce(data: Any, op: str = "sum") -> Any:
@@ -301,10 +305,7 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     target = _target(run)
     _on_every_rank(run, target, "broadcast")
     _check(run, target, describe("broadcast", src=src))
-    if target is run.strategy or target.in_step():  # inside lite.join's rounds: they compare both
-        strategy, where = run.strategy, call_site()
-        site = site_id(where) if order_check_enabled() else 0
-        check_same_source(src, site, where, run.global_rank, strategy.all_gather, strategy.all_reduce)
+    _checked(run, target, "broadcast", None, None, [], src=src)  # the source rank and the line
     result = target.broadcast(obj, src)
     return map_tensors(result, lambda t: t.to(run.device))
 

@@ -24,6 +24,11 @@ naming each rank's line, as ``lite.join``'s rounds refuse them. The same collect
 on two lines (``if rank == 0: lite.all_reduce(a)`` / ``else: lite.all_reduce(b)``) is refused
 too, naming the one-line form; ``SCOPEDLITE_ORDER_CHECK=0`` leaves the line out of the row.
 
+``lite.broadcast`` sends the same row, with its source rank and no leaves (its receivers pass
+nothing of their own): different sources (``src=rank``: every rank would send and wait until
+the timeout), a broadcast on some ranks only meeting another from another line, and a
+broadcast meeting another collective are refused alike.
+
 ``gather_for_metrics`` reads each rank's first dimensions from the same rows (from a second
 exchange when a nest is too big for a row): tensors whose first dimension differs by rank
 are then padded to the longest, gathered and cut back.
@@ -40,19 +45,19 @@ import torch
 from scopedlite._comm.debug import CollectiveMismatchError
 from scopedlite._comm.wire import DTYPES, TORCH_OPS, gather_objects
 
-__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "check_same_source", "first_dims"]
+__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "first_dims"]
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # stacks every taking-part rank's tensor, in rank order
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, op) -> reduced over the same ranks
 
 ROW = 64  # int64 slots of the row each rank sends: [description length, description or digest]
-_KINDS = ("all_reduce", "all_gather", "gather_for_metrics")
+_KINDS = ("all_reduce", "all_gather", "gather_for_metrics", "broadcast")
 _OPS = (None, *TORCH_OPS)
 # Every dtype torch has, the wire's first (its codes), the rest by name: the same on every rank.
 _ALL_DTYPES: tuple[torch.dtype, ...] = DTYPES + tuple(
     sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)} - set(DTYPES), key=str)
 )
-_DESCRIPTION_AT = 5  # kind, op, structure digest, number of leaves, line; then per leaf dtype, ndim, dims
+_DESCRIPTION_AT = 6  # kind, op, structure digest, number of leaves, line, src; then per leaf dtype, ndim, dims
 
 
 class ShapeMismatchError(CollectiveMismatchError, ValueError):
@@ -73,6 +78,7 @@ class Call:
         rank: This rank's global rank, to name it in the error.
         site: The calling line's :func:`~scopedlite._comm.debug.site_id` (0: not compared).
         where: That line, ``file:line``, for the error only.
+        src: A broadcast's source rank (-1 for the others).
     """
 
     kind: str
@@ -83,6 +89,7 @@ class Call:
     rank: int
     site: int = 0
     where: str = ""
+    src: int = -1
 
     def description(self) -> list[int]:
         out = [
@@ -91,6 +98,7 @@ class Call:
             _digest(self.structure.encode()),
             len(self.tensors),
             self.site,
+            self.src,
         ]
         for tensor in self.tensors:
             out += [_ALL_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
@@ -126,31 +134,6 @@ def check_same(call: Call, gather: Gather, reduce: Reduce) -> None:
         _refuse(call, gather)
 
 
-def check_same_source(src: int, site: int, where: str, rank: int, gather: Gather, reduce: Reduce) -> None:
-    """For ``lite.broadcast``: raise on every rank unless every rank names the same source
-    rank ``src`` and calls from the same line (``site``; 0 on every rank: not compared).
-
-    The receivers pass nothing of their own, so a shape check has nothing to compare; but a
-    source rank named differently (``src=rank``) leaves every rank sending, and a broadcast on
-    some ranks only meets the others' next one and hands them the wrong object. One all-reduce
-    of ``[src, site]`` beside its negation, as :func:`check_same`; on a difference ``gather``
-    brings each rank's call (``where``: its ``file:line``), for the error.
-    """
-    row = torch.tensor([src, site], dtype=torch.int64)
-    extremes = reduce(torch.cat([row, -row]), "max")
-    if torch.equal(extremes[:2], -extremes[2:]):
-        return
-    seen = gather_objects((rank, src, where), gather)
-    table = "\n".join(f"  rank {r}: lite.broadcast(src={source}) at {line}" for r, source, line in seen)
-    if len({source for _, source, _ in seen}) > 1:
-        raise CollectiveMismatchError(
-            f"The ranks called lite.broadcast with different source ranks:\n{table}\n"
-            "Every rank names the same source: `obj = lite.broadcast(obj, src=0)` on every "
-            "rank (what the other ranks pass is ignored)."
-        )
-    raise CollectiveMismatchError(f"The ranks called lite.broadcast from different lines:\n{table}\n{_LINES_FIX}")
-
-
 def first_dims(call: Call, gather: Gather) -> list[list[int]]:
     """For ``gather_for_metrics``: every taking-part rank's first dimension of each leaf
     (``[rank][leaf]``, in rank order), after checking that the ranks agree in all else."""
@@ -169,14 +152,19 @@ def _refuse(call: Call, gather: Gather) -> None:
     """Every rank is here together: exchange what each called, and raise the same error."""
     seen = gather_objects((call.rank, call.shown(), call.description(), call.where), gather)
     table = "\n".join(
-        f"  rank {rank}: lite.{_KINDS[d[0]]}{_op_text(d[1])} of {shown}" + (f" at {where}" if where else "")
-        for rank, shown, d, where in seen
+        f"  rank {rank}: {_call_text(d, shown)}" + (f" at {where}" if where else "") for rank, shown, d, where in seen
     )
     descriptions = [d for _, _, d, _ in seen]
     if len({(d[0], d[1]) for d in descriptions}) > 1:
         raise CollectiveMismatchError(
             f"The ranks called different collectives at the same point:\n{table}\n"
             "Every rank must call the same collectives, with the same op, in the same order."
+        )
+    if len({d[5] for d in descriptions}) > 1:
+        raise CollectiveMismatchError(
+            f"The ranks called lite.broadcast with different source ranks:\n{table}\n"
+            "Every rank names the same source: `obj = lite.broadcast(obj, src=0)` on every "
+            "rank (what the other ranks pass is ignored)."
         )
     if len({d[4] for d in descriptions}) > 1:
         raise CollectiveMismatchError(f"The ranks called lite.{call.kind} from different lines:\n{table}\n{_LINES_FIX}")
@@ -223,6 +211,14 @@ def _shape_fix(kind: str) -> str:
         f"{instead} or use lite.gather_for_metrics(x) for per-rank batches of different lengths "
         "(the last batch of an epoch)."
     )
+
+
+def _call_text(description: list[int], shown: str) -> str:
+    """``lite.all_reduce(op='sum') of float32[2]``, ``lite.broadcast(src=0)``: a rank's call."""
+    kind = _KINDS[description[0]]
+    if kind == "broadcast":
+        return f"lite.broadcast(src={description[5]})"
+    return f"lite.{kind}{_op_text(description[1])} of {shown}"
 
 
 def _op_text(code: int) -> str:

@@ -11,7 +11,8 @@ in step):
 - the same collective written on two lines (``if rank == 0: ... else: ...``): refused at once,
   naming both lines and the one-line form (it passed before; inside lite.join the rounds
   refused it, but only once a rank had run out of data); so is a broadcast whose ranks name
-  different sources (``src=rank``: every rank sent) or call it from two lines;
+  different sources (``src=rank``: every rank sent) or call it from two lines, or that meets
+  an all-reduce;
 - a lone call through a helper (the same line as the others' next call): nothing can tell the
   two apart, both get 102, and rank 0's next call finds rank 1 gone on to its training forward
   and is refused there, naming the fix. Before the ledger's check, that call met rank 1's
@@ -68,6 +69,10 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
         out["broadcast_lines"] = refused(lambda: lite.broadcast("config", src=0))
     else:
         out["broadcast_lines"] = refused(lambda: lite.broadcast(None, src=0))
+    if rank == 0:  # a broadcast on rank 0 meeting rank 1's all-reduce
+        out["kinds"] = refused(lambda: lite.broadcast("config", src=0))
+    else:
+        out["kinds"] = refused(lambda: lite.all_reduce(torch.tensor(1.0)))
 
     def logged(value):
         return float(lite.all_reduce(torch.tensor(value)))
