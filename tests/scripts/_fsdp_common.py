@@ -54,6 +54,19 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, y.to(out.dtype))
 
 
+def one_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    backward: Callable[[torch.Tensor], None],
+) -> None:
+    """One plain step on ``batch`` (this process's rows of it)."""
+    x, y = batch
+    backward(_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+
+
 def train(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
@@ -68,10 +81,7 @@ def train(
     gradient norm before clipping of the last step.
     """
     for step in range(STEPS):
-        x, y = rows(slice(BATCH * step, BATCH * (step + 1)))
-        backward(_loss(model(x), y))
-        opt.step()
-        opt.zero_grad()
+        one_step(model, opt, rows(slice(BATCH * step, BATCH * (step + 1))), backward)
     start = BATCH * STEPS
     for micro in range(2):
         x, y = rows(slice(start + BATCH * micro, start + BATCH * (micro + 1)))
@@ -122,9 +132,7 @@ def plain_run_state() -> tuple[dict[str, Any], dict[str, Any]]:
     model = make_net()
     opt = make_optimizer("adamw", model.parameters())
     x, y = make_data()
-    _loss(model(x[:BATCH]), y[:BATCH]).backward()
-    opt.step()
-    opt.zero_grad()
+    one_step(model, opt, (x[:BATCH], y[:BATCH]), lambda loss: loss.backward())
     return model.state_dict(), opt.state_dict()
 
 
@@ -136,7 +144,4 @@ def step_after_plain_load(
 ) -> None:
     """The step a resumed run takes after loading :func:`plain_run_state`: the second global
     batch, ``rows`` giving this rank's part of it (the whole batch in one process)."""
-    x, y = rows(slice(BATCH, 2 * BATCH))
-    backward(_loss(model(x), y))
-    opt.step()
-    opt.zero_grad()
+    one_step(model, opt, rows(slice(BATCH, 2 * BATCH)), backward)
