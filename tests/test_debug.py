@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,3 +42,33 @@ def test_a_call_site_is_named_alike_wherever_each_node_keeps_the_script():
     assert here == site_id("train.py:57") == site_id("/scratch/job-12/train.py:57")
     assert here != site_id("train.py:58") and here != site_id("/home/x/project/eval.py:57")
     assert site_name(here) == "/home/x/project/train.py:57"  # shown as this process saw it first
+
+
+def test_a_call_site_names_the_users_callers_up_to_the_first_library_frame():
+    """A helper called on some ranks only runs the same line as the others' next call of it;
+    the user's lines that called it tell the two apart. The callers are the user's own frames
+    around the call (this file's), up to the first frame of an installed library (pytest
+    here, runpy or a launcher in a script: they differ between a launching rank and the ranks
+    it started), and they compare equal wherever each node keeps the files."""
+    from scopedlite._comm.debug import call_site, site_id
+
+    def helper():
+        return call_site()
+
+    def first():
+        return helper()
+
+    def second():
+        return helper()
+
+    here = Path(__file__).name
+    inner, _, callers = first().partition(" (from ")
+    assert inner.startswith(str(Path(__file__))) and inner.endswith(f":{helper.__code__.co_firstlineno + 1}")
+    named = callers.rstrip(")").split(", ")
+    assert named[0] == f"{here}:{first.__code__.co_firstlineno + 1}"  # its caller, then this test
+    assert len(named) == 2 and named[1].startswith(f"{here}:"), named  # pytest's frames end it
+    assert first() == first() and site_id(first()) == site_id(first())
+    assert first().partition(" (from ")[0] == second().partition(" (from ")[0]  # the same line...
+    assert site_id(first()) != site_id(second())  # ...through another caller
+    seen = first()
+    assert site_id(seen.replace(str(Path(__file__).parent), "/elsewhere/tests")) == site_id(seen)

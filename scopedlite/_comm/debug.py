@@ -11,8 +11,11 @@ default.
 
 from __future__ import annotations
 
+import functools
 import os
+import site
 import sys
+import sysconfig
 import zlib
 from typing import Any
 
@@ -52,22 +55,77 @@ def order_check_enabled() -> bool:
 
 
 def call_site() -> str:
-    """The first frame outside scopedlite: the user's line (``file:line``) that called into it."""
+    """Where the user called into scopedlite: the first frame outside it (``file:line``) and,
+    after ``from``, the user lines that called that one, innermost first (``/x/train.py:12
+    (from train.py:40, train.py:51)``). The callers are the frames of the user's own files
+    (:func:`_user_file`) directly around it: they tell a helper called on some ranks only
+    (``if rank == 0: reduce_mean(acc)``) from the others' next call of it (``reduce_mean(loss)``
+    on every rank), which runs the same line."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR):
+    while frame is not None and _is_ours(frame.f_code.co_filename):
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    callers = []
+    caller = frame.f_back
+    while caller is not None and len(callers) < _MAX_CALLERS:
+        name = _user_file(caller.f_code.co_filename)
+        if name is None:
+            break
+        callers.append(f"{name}:{caller.f_lineno}")
+        caller = caller.f_back
+    return f"{site} (from {', '.join(callers)})" if callers else site
+
+
+_MAX_CALLERS = 32  # a deeper recursion is compared by its innermost callers
+_OURS: dict[str, bool] = {}  # co_filename -> whether the file is scopedlite's
+_USER: dict[str, str | None] = {}  # co_filename -> its base name where it is the user's own, else None
+
+
+def _is_ours(filename: str) -> bool:
+    ours = _OURS.get(filename)
+    if ours is None:
+        ours = _OURS[filename] = os.path.abspath(filename).startswith(PACKAGE_DIR)
+    return ours
+
+
+def _user_file(filename: str) -> str | None:
+    """The base name of ``filename`` where it is a file of the user's own (a script, a module
+    beside it), else None: scopedlite, torch, the standard library and anything installed
+    (runpy, a launcher, pytest, Ray's worker, IPython) sit above the user's frames
+    differently on different ranks (the launching rank runs the script itself, the others
+    are started through runpy), so they end the callers."""
+    if filename not in _USER:
+        path = os.path.abspath(filename)
+        mine = not filename.startswith("<") and not path.startswith(_library_dirs())
+        _USER[filename] = os.path.basename(path) if mine else None
+    return _USER[filename]
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of what is not the user's code: scopedlite, torch, the standard library
+    and every site-packages folder (a virtual environment's and its base Python's)."""
+    folders = {PACKAGE_DIR, os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))}
+    for scheme in (
+        sysconfig.get_paths(),
+        sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix}),
+    ):
+        folders.update(scheme[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in scheme)
+    folders.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    folders.add(site.getusersitepackages())
+    return tuple(os.path.join(os.path.abspath(f), "") for f in folders if f)
 
 
 def site_id(name: str) -> int:
-    """A stable integer for a call site ``file:line`` (as :func:`call_site` names it), the same
-    on every rank wherever each node keeps the script: the file's folder is left out (one
-    node runs ``python train.py``, another ``python /home/x/train.py``, and they call from the
-    same line). The process keeps the name, to show it (:func:`site_name`)."""
-    path, _, line = name.rpartition(":")
-    value = zlib.crc32(f"{os.path.basename(path)}:{line}".encode()) & 0x7FFFFFFF
+    """A stable integer for a call site as :func:`call_site` names it, the same on every rank
+    wherever each node keeps the script: the file's folder is left out (one node runs
+    ``python train.py``, another ``python /home/x/train.py``, and they call from the same
+    line). The process keeps the name, to show it (:func:`site_name`)."""
+    line, bracket, callers = name.partition(" (from ")
+    path, _, number = line.rpartition(":")
+    value = zlib.crc32(f"{os.path.basename(path)}:{number}{bracket}{callers}".encode()) & 0x7FFFFFFF
     this_process.site_names.setdefault(value, name)
     return value
 

@@ -18,11 +18,13 @@ readable descriptions).
 **The line.** Collectives pair in the order the ranks call them. A call on some ranks only
 (``if run.is_global_zero: lite.all_reduce(metric)``) meets the others' next collective; where
 that one has the same shape (a loss logged every step), the shapes cannot tell them apart and
-both would return a mix of the two. The calling line can (``_comm/debug.py``:
-:func:`~scopedlite._comm.debug.site_id`), so the calls are refused on every rank at once,
-naming each rank's line, as ``lite.join``'s rounds refuse them. The same collective written
-on two lines (``if rank == 0: lite.all_reduce(a)`` / ``else: lite.all_reduce(b)``) is refused
-too, naming the one-line form; ``SCOPEDLITE_ORDER_CHECK=0`` leaves the line out of the row.
+both would return a mix of the two. The calling line can, with the user's lines that called
+it (``_comm/debug.py``: :func:`~scopedlite._comm.debug.call_site`; a helper ``reduce_mean(x)``
+called on rank 0 alone runs the same line as the others' next call of it, from another
+caller), so the calls are refused on every rank at once, naming each rank's line and callers,
+as ``lite.join``'s rounds refuse them. The same collective written on two lines (``if rank ==
+0: lite.all_reduce(a)`` / ``else: lite.all_reduce(b)``) is refused too, naming the one-line
+form; ``SCOPEDLITE_ORDER_CHECK=0`` leaves the line out of the row.
 
 ``lite.broadcast`` sends the same row, with its source rank and no leaves (its receivers pass
 nothing of their own): different sources (``src=rank``: every rank would send and wait until
@@ -76,8 +78,10 @@ class Call:
         tensors: The leaves as they travel, in the order the nest is walked.
         shown: The nest with each leaf as :func:`leaf_text` shows it, for the error only.
         rank: This rank's global rank, to name it in the error.
-        site: The calling line's :func:`~scopedlite._comm.debug.site_id` (0: not compared).
-        where: That line, ``file:line``, for the error only.
+        site: The :func:`~scopedlite._comm.debug.site_id` of the calling line and its
+            callers (0: not compared).
+        where: That line and its callers, as :func:`~scopedlite._comm.debug.call_site`
+            names them, for the error only.
         src: A broadcast's source rank (-1 for the others).
     """
 
@@ -167,6 +171,11 @@ def _refuse(call: Call, gather: Gather) -> None:
             "rank (what the other ranks pass is ignored)."
         )
     if len({d[4] for d in descriptions}) > 1:
+        if len({where.partition(" (from ")[0] for _, _, _, where in seen}) == 1:
+            raise CollectiveMismatchError(
+                f"The ranks called lite.{call.kind} from the same line through different callers:\n"
+                f"{table}\n{_CALLERS_FIX}"
+            )
         raise CollectiveMismatchError(f"The ranks called lite.{call.kind} from different lines:\n{table}\n{_LINES_FIX}")
     if len({(d[2], d[3]) for d in descriptions}) > 1:
         what, fix = (
@@ -194,6 +203,16 @@ _LINES_FIX = (
     "the result on one (`total = lite.all_reduce(x)` everywhere, then `if run.is_global_zero: "
     "print(total)`). Where the ranks pass different values to one collective, call it from one "
     "line: `lite.all_reduce(a if rank == 0 else b)`. SCOPEDLITE_ORDER_CHECK=0 turns this check off."
+)
+
+
+_CALLERS_FIX = (
+    "Collectives pair in the order the ranks call them, so these calls would have exchanged "
+    "each other's values. Usually a function that calls a collective (`reduce_mean(acc)`) ran "
+    "on some ranks only (inside `if run.is_global_zero:`) and met the others' next call of it: "
+    "call it on every rank and use the result on one. Where the ranks pass different values, "
+    "call it from one line: `reduce_mean(a if rank == 0 else b)`. SCOPEDLITE_ORDER_CHECK=0 "
+    "turns this check off."
 )
 
 

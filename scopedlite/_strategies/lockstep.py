@@ -301,8 +301,9 @@ class GatherLedger:
         ours than that rank. Alone it would wait there until the timeout, or meet that rank's
         gradient reduction or gathers (gloo aborts; NCCL hangs). Often the extra call came
         earlier: a collective inside ``if run.is_global_zero:`` met another rank's next call
-        of the same shape from the same line (a helper's: calls from different lines are
-        refused by their shape check, ``_comm/signature.py``), which both took for theirs,
+        of the same shape through the same lines (a loop run once more on one rank: calls from
+        different lines, or through different callers, are refused by their shape check,
+        ``_comm/signature.py``), which both took for theirs,
         and this is the first call after it that can be told."""
         self.collective()
 
@@ -333,9 +334,9 @@ class GatherLedger:
             + _each(gone)
             + f"), under strategy={self.strategy!r}: this rank calls one more collective of ours than "
             "they do. Either this call runs on some ranks only (inside `if run.is_global_zero:`), "
-            "or an earlier one did, met another rank's next call of the same shape from the same "
-            "line (a helper's), and gave a wrong value on both. Call every collective of ours on "
-            "every rank and use the result on one: `total = lite.all_reduce(x)` everywhere, then "
+            "or an earlier one did, met another rank's next call of the same shape through the same "
+            "lines (a loop run once more on this rank), and gave a wrong value on both. Call every "
+            "collective of ours on every rank and use the result on one: `total = lite.all_reduce(x)` everywhere, then "
             "`if run.is_global_zero: print(total)`; a value rank 0 alone has needs no collective."
         )
 

@@ -6,19 +6,16 @@ First, what correct scripts do, which must go through with the right values: a l
 all-reduce each step, per-rank values passed on one line, a broadcast from rank 0,
 gather_for_metrics of rows that differ in number by rank, a barrier after rank 0 works alone.
 
-Then three calls that would pair wrongly, each refused (the first two caught: the ranks stay
+Then calls that would pair wrongly, each refused (the first two caught: the ranks stay
 in step):
 - the same collective written on two lines (``if rank == 0: ... else: ...``): refused at once,
   naming both lines and the one-line form (it passed before; inside lite.join the rounds
   refused it, but only once a rank had run out of data); so is a broadcast whose ranks name
   different sources (``src=rank``: every rank sent) or call it from two lines, or that meets
   an all-reduce;
-- a lone call through a helper (the same line as the others' next call): nothing can tell the
-  two apart, both get 102, and rank 0's next call finds rank 1 gone on to its training forward
-  and is refused there, naming the fix. Before the ledger's check, that call met rank 1's
-  gradient all-reduce (ddp: gloo aborted the process) or its gathers (fsdp: a wait until
-  launch(timeout=)). (Where the others' next step is a training forward, the lone call itself
-  is refused: tests/test_collective_order.py runs stall.py's ``backward``.)
+- a lone call through a helper (``logged(100.0)`` on rank 0 alone, meeting rank 1's next call
+  of it): both run the helper's line, and both got 102 before; the callers tell them apart
+  now, and both are refused at once (caught), naming each rank's line and callers.
 - rank 0's lone call from a line of its own, meeting rank 1's all-reduce of the same shape:
   both returned a mix of the two (102) before, and only rank 0's next call was refused; now
   the lines tell them apart and both raise at once (uncaught: the run ends).
@@ -77,14 +74,10 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
     def logged(value):
         return float(lite.all_reduce(torch.tensor(value)))
 
-    if rank == 0:  # rank 0 alone, through the helper: it meets rank 1's logged call below
-        out["helper"] = logged(100.0)
-        try:
-            logged(1.0)  # rank 0's own logged call: rank 1 went on to its training forward
-        except lite.CollectiveOnSomeRanksError as e:
-            out["next"] = f"{type(e).__name__}: {e}"  # a script that catches it stays in step
+    if rank == 0:  # rank 0 alone, through the helper: it meets rank 1's next call of it
+        out["helper"] = refused(lambda: logged(100.0))
     else:
-        out["helper"] = logged(2.0)
+        out["helper"] = refused(lambda: logged(2.0))
     step()
     if rank == 0:
         write(out)
