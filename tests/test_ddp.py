@@ -9,7 +9,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from _common import assert_close, check_save_on_some_ranks, check_scheduler_on_some_ranks, reference_training
+from _common import (
+    assert_close,
+    check_save_on_some_ranks,
+    check_scheduler_on_some_ranks,
+    make_model,
+    reference_training,
+    torch_join_batch,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,3 +139,33 @@ def test_a_step_skipped_on_one_rank_is_refused_on_every_rank_at_once(script):
         assert "lite.all_reduce(float(not torch.isfinite(loss))" in out["error"], out["error"]
         assert out["after"] == 3.0  # the next collective pairs
     assert [out["at"] for out in seen] == [3, 4]
+
+
+def test_torchs_own_join_around_a_set_up_model_trains_as_plain_torch(script):
+    """torch's ``Join([model])`` (a torchrun script that keeps it) over uneven batches: rank 1
+    shadows rank 0's last two backwards. Before, the ranks' comparison of their forwards
+    refused rank 1's shadow all-reduce; now it pauses inside the block. The parameters equal
+    plain torch's (each step's gradient summed over the ranks that had a batch, divided by 2,
+    as torch's Join divides by the initial world size), on both ranks, after the block and
+    after an even step; a step skipped on one rank after the block is still refused."""
+    result = script("torch_join")
+    assert result.returncode == 0, result.explain()
+    seen = result.json()
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(batches):
+        opt.zero_grad()
+        for x in batches:
+            (net(x).pow(2).mean() / 2).backward()
+        opt.step()
+
+    for i in range(3):
+        step([torch_join_batch(r, i) for r in range(2) if i < (3, 1)[r]])
+    after_join = [p.detach().flatten().tolist() for p in net.parameters()]
+    step([torch_join_batch(r, 5) for r in range(2)])
+    after_even = [p.detach().flatten().tolist() for p in net.parameters()]
+    for rank, out in enumerate(seen):
+        assert_close(out["after_join"], after_join, 1e-6, f"rank {rank} after the block")
+        assert_close(out["after_even"], after_even, 1e-6, f"rank {rank} after an even step")
+        assert "different numbers of training forwards" in out["error"], out["error"]

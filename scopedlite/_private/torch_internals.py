@@ -34,6 +34,7 @@ __all__ = [
     "fsdp_pre_forward",
     "group_sequence_numbers",
     "has_registered",
+    "leave_torch_join",
     "live_process_groups",
     "local_box",
     "op_facts",
@@ -430,6 +431,22 @@ def ddp_comm_hook(ddp: Any) -> Any:
     """
     hooks = getattr(ddp, "_comm_hooks", None) or []
     return hooks[0][0] if hooks else None
+
+
+def leave_torch_join(joinable: Any) -> None:
+    """Turn off torch's join mode on ``joinable`` (a DDP model) after its ``Join`` block ended.
+
+    Why private: ``Join`` writes each joinable's ``_join_config`` when a block begins and never
+    clears it, so after the block every training forward of a DDP model still all-reduces
+    a "not joined yet" flag (``Join.notify_join_context``): one collective more per step for
+    the rest of the run, and a backward skipped on one rank then meets that flag's all-reduce
+    (gloo aborts on the sizes) instead of the check that names the skip
+    (``ddp/counted.py``). The next ``Join`` block writes the config again. Checked against
+    torch 2.9.0 and 2.13.0 (``torch/distributed/algorithms/join.py``).
+    """
+    from torch.distributed.algorithms.join import _JoinConfig
+
+    joinable._join_config = _JoinConfig.construct_disabled_join_config()
 
 
 def ddp_ignored_names(ddp: Any) -> set[str]:

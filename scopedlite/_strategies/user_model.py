@@ -32,7 +32,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from scopedlite._private.torch_internals import ddp_comm_hook, has_registered, registered_submodule
-from scopedlite._strategies.ddp.counted import count_of, use_hook
+from scopedlite._strategies.ddp.counted import count_of, paused_in_torch_join, use_hook
 from scopedlite._strategies.ddp.methods import ddp_method
 from scopedlite._strategies.ddp.unused import forward_naming_unused
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
@@ -327,6 +327,12 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
 
     def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
         return ddp_method(self, inner, name)
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """torch's ``Join([model])``: DDP's own hook, with the ranks' comparison of their
+        training forwards paused for the block (ddp/counted.py), where a rank out of data
+        shadows the others' backwards after fewer forwards."""
+        return paused_in_torch_join(super().join_hook(**kwargs), self)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Your hook reduces the gradient buckets; inside the set-up model's own hook, which

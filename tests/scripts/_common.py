@@ -25,6 +25,11 @@ def make_data(n: int, seed: int = 1) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def torch_join_batch(rank: int, i: int) -> torch.Tensor:
+    """Batch ``i`` of ``rank`` in torch_join.py (and in its test's plain-torch reference)."""
+    return torch.arange(8.0).reshape(2, 4) / (1 + rank + 3 * i)
+
+
 def params(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 

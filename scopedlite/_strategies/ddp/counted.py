@@ -17,7 +17,9 @@ carries a digest of the optimizers that stepped since, and of their hyperparamet
 
 Inside ``lite.join`` the ranks run different numbers of their own forwards on purpose (the
 join protocol keeps them in step): the comparison pauses there, and the counts start again
-from zero on every rank when the block ends.
+from zero on every rank when the block ends. So it does inside torch's own ``Join([model])``
+(a torchrun script that keeps it): a rank out of data shadows the others' backwards with
+zero buckets through this hook, after fewer forwards (:func:`paused_in_torch_join`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
 
+from scopedlite._private.torch_internals import ddp_comm_hook, leave_torch_join
 from scopedlite._strategies.skipped_step import different_forwards, ranges, spread
 from scopedlite._strategies.stepped import SteppedOptimizers, different_settings
 
-__all__ = ["ForwardCount", "count_of", "counted_backwards", "use_hook"]
+__all__ = ["ForwardCount", "count_of", "counted_backwards", "paused_in_torch_join", "use_hook"]
 
 _MARK = "__scopedlite_counted__"
 
@@ -63,6 +67,47 @@ class ForwardCount:
         """The model runs a training forward (gradients enabled)."""
         self.forwards += 1
         self.noted()
+
+    def start_again(self) -> None:
+        """Every rank is here together after a block whose ranks ran different numbers of
+        their own forwards and steps: the counts, the steps taken and the gather ledger's
+        counts start again from here."""
+        self.paused, self.forwards = False, 0
+        self.stepped.digest()  # drops the steps taken inside the block
+        if self.refused is not None:
+            self.refused()
+
+
+class _PausedJoinHook(JoinHook):
+    """DDP's own hook for torch's ``Join``, with the counts paused from the block's start (every
+    rank builds it in ``Join([model])``) to its end (every rank runs ``post_hook`` together),
+    where the model leaves torch's join mode too."""
+
+    def __init__(self, hook: JoinHook, count: ForwardCount, model: Any) -> None:
+        self.hook, self.count, self.model = hook, count, model
+        count.paused = True
+
+    def main_hook(self) -> None:
+        self.hook.main_hook()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.hook.post_hook(is_last_joiner)
+        leave_torch_join(self.model)
+        self.count.start_again()
+
+
+def paused_in_torch_join(hook: JoinHook, model: Any) -> JoinHook:
+    """``hook``, DDP's hook for torch's ``Join([model])``, with the comparison of ``model``'s
+    forwards paused for the block: a rank out of data shadows the others' backwards (DDP's
+    zero buckets, through this hook) after fewer forwards than they ran, and steps no
+    optimizer meanwhile. When the block ends the counts start again, and the model leaves
+    torch's join mode (which torch leaves on: an all-reduce at every later forward). A block
+    left by an exception (or built with ``enable=False``) never runs ``post_hook``: the
+    comparison stays off for that model, as torch itself checks nothing. torch's ``Join``
+    leaves the optimizer state of a rank that ran out (its momentum) where it was, and
+    broadcasts only the parameters; ``lite.join`` replays the steps instead."""
+    count = count_of(ddp_comm_hook(model))
+    return hook if count is None else _PausedJoinHook(hook, count, model)
 
 
 def counted_backwards(
