@@ -53,6 +53,12 @@ def test_a_collective_on_rank_zero_alone_is_refused_at_once(script, strategy):
     kinds = out["kinds"]
     assert kinds.startswith("CollectiveMismatchError: The ranks called different collectives at the same point"), kinds
     assert "rank 0: lite.broadcast(src=0) at " in kinds and "rank 1: lite.all_reduce(op='sum') of float32[]" in kinds
+    metrics = out["metrics_kinds"]
+    assert metrics.startswith("CollectiveMismatchError: The ranks called different collectives at the same point"), (
+        metrics
+    )
+    assert "rank 0: lite.gather_for_metrics of int64[3] at " in metrics, metrics
+    assert "rank 1: lite.all_reduce(op='sum') of float32[] at " in metrics, metrics
     # the helper's lone call met rank 1's call of it: the same line, told apart by the callers
     helper = out["helper"]
     assert helper.startswith(

@@ -43,7 +43,7 @@ from scopedlite._comm.debug import (
     order_check_enabled,
     site_id,
 )
-from scopedlite._comm.signature import Call, check_same, first_dims, leaf_text
+from scopedlite._comm.signature import Call, check_same, checked_first_dims, first_dims, leaf_text
 from scopedlite._core.dtensors import is_dtensor
 from scopedlite._core.run import Run
 from scopedlite._core.structures import map_leaves, map_tensors, structure_of
@@ -271,7 +271,14 @@ def gather_rows(data: Any, leave_out_repeats: bool = False) -> Any:
         tensors = without_repeats(run, tensors)
     for tensor in tensors:
         _check(run, target, describe("gather_for_metrics", tensor, rows_differ=True))
-    lengths = first_dims(_call(run, "gather_for_metrics", None, data, tensors), target.all_gather_replicas)
+    call = _call(run, "gather_for_metrics", None, data, tensors)
+    lengths = None
+    strategy = run.strategy
+    if target is strategy or target.in_step():  # checked as _checked checks the others
+        ranks = run.world_size if strategy.data_parallel_size == run.world_size else 0  # 0: only check
+        lengths = checked_first_dims(call, strategy.all_gather, strategy.all_reduce, run.global_rank, ranks)
+    if lengths is None:  # inside lite.join's rounds, or replicas of several ranks, or too many to fit
+        lengths = first_dims(call, target.all_gather_replicas)
     return _rebuilt(data, [_concatenated(target, t, [ranks[i] for ranks in lengths]) for i, t in enumerate(tensors)])
 
 

@@ -8,9 +8,11 @@ are reinterpreted silently. So ``lite.all_reduce``, ``lite.all_gather`` and
 whole call: which collective and op, the line that called it, the nest's structure, and each
 leaf's dtype and sizes.
 The row has the same length whatever the call, so this exchange always matches; a
-description too long for it travels as its length and a digest. The plain collectives
-compare the rows with one small all-reduce (the largest and smallest value of each slot);
-``gather_for_metrics`` gathers them, since it needs each rank's first dimensions. Every rank
+description too long for it travels as its length and a digest. Every collective of ours
+compares the rows with the same small all-reduce (the largest and smallest value of each
+slot), so two different ones meeting are refused like any other difference;
+``gather_for_metrics`` leaves the first dimensions out of the compared row and carries them
+in its free tail, each rank's in its own slots (:func:`checked_first_dims`). Every rank
 reads the same result, so on a difference every rank raises at once, before any data
 travels, naming each rank's shapes and line (a second exchange, on that path only, brings the
 readable descriptions).
@@ -31,9 +33,10 @@ nothing of their own): different sources (``src=rank``: every rank would send an
 the timeout), a broadcast on some ranks only meeting another from another line, and a
 broadcast meeting another collective are refused alike.
 
-``gather_for_metrics`` reads each rank's first dimensions from the same rows (from a second
-exchange when a nest is too big for a row): tensors whose first dimension differs by rank
-are then padded to the longest, gathered and cut back.
+``gather_for_metrics`` reads each rank's first dimensions from that all-reduce (from a second
+exchange, an all-gather of the rows, where they do not fit in the row, under
+``model_parallel``'s replicas of several ranks, and inside ``lite.join``'s rounds): tensors
+whose first dimension differs by rank are then padded to the longest, gathered and cut back.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch
 from scopedlite._comm.debug import CollectiveMismatchError
 from scopedlite._comm.wire import DTYPES, TORCH_OPS, gather_objects
 
-__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "first_dims"]
+__all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "checked_first_dims", "first_dims"]
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # stacks every taking-part rank's tensor, in rank order
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, op) -> reduced over the same ranks
@@ -136,6 +139,37 @@ def check_same(call: Call, gather: Gather, reduce: Reduce) -> None:
     extremes = reduce(torch.cat([row, -row]), "max")
     if not torch.equal(extremes[:ROW], -extremes[ROW:]):
         _refuse(call, gather)
+
+
+def checked_first_dims(
+    call: Call, gather: Gather, reduce: Reduce, rank: int, world_size: int
+) -> list[list[int]] | None:
+    """For ``gather_for_metrics`` (each rank its own replica: ``rank`` of ``world_size``): the
+    check of :func:`check_same` - the same all-reduce as every other collective of ours, so
+    that a ``gather_for_metrics`` meeting another rank's ``all_reduce`` is refused on both
+    at once (an all-gather of the rows there met that all-reduce: gloo aborted) - with the
+    first dimensions left out of the compared row, and each rank's first dimensions riding
+    in the row's free tail, rank ``r``'s in its own slots (the others send 0 there, and the
+    maximum is its value). Returns them ``[rank][leaf]``, or None where they do not fit
+    (many ranks or leaves: every rank alike, then :func:`first_dims` gathers them); with
+    ``world_size=0``, only the check."""
+    full = call.description()
+    masked = _without_first_dims_zeroed(full)
+    dims = _first_dims(full)
+    tail = world_size * len(dims)
+    fits = world_size > 0 and 1 + len(masked) + tail <= ROW
+    row = call.row(masked)
+    compared = ROW - tail if fits else ROW
+    if fits:
+        at = compared + rank * len(dims)
+        row[at : at + len(dims)] = torch.tensor(dims, dtype=torch.int64)
+    extremes = reduce(torch.cat([row, -row]), "max")
+    if not torch.equal(extremes[:compared], -extremes[ROW : ROW + compared]):
+        _refuse(call, gather)
+    if not fits:
+        return None
+    found = extremes[compared:ROW].view(world_size, len(dims))
+    return found.tolist()  # type: ignore[no-any-return]
 
 
 def first_dims(call: Call, gather: Gather) -> list[list[int]]:
@@ -259,6 +293,14 @@ def _dtypes(description: list[int]) -> list[int]:
 
 def _without_first_dims(description: list[int]) -> list[Any]:
     return [*description[:_DESCRIPTION_AT], *((dtype, dims[1:]) for dtype, dims in _leaves(description))]
+
+
+def _without_first_dims_zeroed(description: list[int]) -> list[int]:
+    """``description`` with each leaf's first dimension 0, its length kept."""
+    out = description[:_DESCRIPTION_AT]
+    for dtype, dims in _leaves(description):
+        out += [dtype, len(dims), *([0, *dims[1:]] if dims else [])]
+    return out
 
 
 def _first_dims(description: list[int]) -> list[int]:

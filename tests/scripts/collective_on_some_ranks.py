@@ -12,7 +12,8 @@ in step):
   naming both lines and the one-line form (it passed before; inside lite.join the rounds
   refused it, but only once a rank had run out of data); so is a broadcast whose ranks name
   different sources (``src=rank``: every rank sent) or call it from two lines, or that meets
-  an all-reduce;
+  an all-reduce; so is a gather_for_metrics meeting an all-reduce (gloo aborted the process:
+  the one all-gathered its check's row, the other all-reduced it);
 - a lone call through a helper (``logged(100.0)`` on rank 0 alone, meeting rank 1's next call
   of it): both run the helper's line, and both got 102 before; the callers tell them apart
   now, and both are refused at once (caught), naming each rank's line and callers.
@@ -70,6 +71,11 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
         out["kinds"] = refused(lambda: lite.broadcast("config", src=0))
     else:
         out["kinds"] = refused(lambda: lite.all_reduce(torch.tensor(1.0)))
+
+    if rank == 0:  # gather_for_metrics on rank 0 meeting rank 1's all-reduce
+        out["metrics_kinds"] = refused(lambda: lite.gather_for_metrics(torch.arange(3)))
+    else:
+        out["metrics_kinds"] = refused(lambda: lite.all_reduce(torch.tensor(1.0)))
 
     def logged(value):
         return float(lite.all_reduce(torch.tensor(value)))
