@@ -154,9 +154,14 @@ def _checked(
     ``lite.join``, and inside it while every rank has data (the session runs free, every rank
     in this call). Once a rank has run out, the session's rounds compare what the running
     ranks call instead."""
-    strategy = run.strategy
-    if target is strategy or target.in_step():
-        check_same(_call(run, kind, op, data, tensors, src), strategy.all_gather, strategy.all_reduce)
+    if _checked_here(run, target):
+        check_same(_call(run, kind, op, data, tensors, src), run.strategy.all_gather, run.strategy.all_reduce)
+
+
+def _checked_here(run: Run, target: Any) -> bool:
+    """Whether every rank is in this call, so the per-call check runs: outside ``lite.join``
+    (``target`` is the strategy), or inside it while the session runs free."""
+    return target is run.strategy or bool(target.in_step())
 
 
 def all_reduce(data: Any, op: str = "sum") -> Any:
@@ -274,9 +279,9 @@ def gather_rows(data: Any, leave_out_repeats: bool = False) -> Any:
     call = _call(run, "gather_for_metrics", None, data, tensors)
     lengths = None
     strategy = run.strategy
-    if target is strategy or target.in_step():  # checked as _checked checks the others
-        ranks = run.world_size if strategy.data_parallel_size == run.world_size else 0  # 0: only check
-        lengths = checked_first_dims(call, strategy.all_gather, strategy.all_reduce, run.global_rank, ranks)
+    if _checked_here(run, target):
+        slots = run.world_size if strategy.data_parallel_size == run.world_size else 0  # 0: only check
+        lengths = checked_first_dims(call, strategy.all_gather, strategy.all_reduce, run.global_rank, slots)
     if lengths is None:  # inside lite.join's rounds, or replicas of several ranks, or too many to fit
         lengths = first_dims(call, target.all_gather_replicas)
     return _rebuilt(data, [_concatenated(target, t, [ranks[i] for ranks in lengths]) for i, t in enumerate(tensors)])

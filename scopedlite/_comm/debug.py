@@ -28,6 +28,7 @@ __all__ = [
     "PACKAGE_DIR",
     "CollectiveMismatchError",
     "call_site",
+    "calling_line",
     "check_same_collective",
     "debug_enabled",
     "order_check_enabled",
@@ -75,7 +76,15 @@ def call_site() -> str:
             break
         callers.append(f"{name}:{caller.f_lineno}")
         caller = caller.f_back
-    return f"{site} (from {', '.join(callers)})" if callers else site
+    return f"{site}{_FROM}{', '.join(callers)})" if callers else site
+
+
+_FROM = " (from "  # between a call site's line and its callers
+
+
+def calling_line(name: str) -> str:
+    """The line of a call site as :func:`call_site` names it, without its callers."""
+    return name.partition(_FROM)[0]
 
 
 _MAX_CALLERS = 32  # a deeper recursion is compared by its innermost callers
@@ -123,7 +132,7 @@ def site_id(name: str) -> int:
     wherever each node keeps the script: the file's folder is left out (one node runs
     ``python train.py``, another ``python /home/x/train.py``, and they call from the same
     line). The process keeps the name, to show it (:func:`site_name`)."""
-    line, bracket, callers = name.partition(" (from ")
+    line, bracket, callers = name.partition(_FROM)
     path, _, number = line.rpartition(":")
     value = zlib.crc32(f"{os.path.basename(path)}:{number}{bracket}{callers}".encode()) & 0x7FFFFFFF
     this_process.site_names.setdefault(value, name)

@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from scopedlite._comm.debug import CollectiveMismatchError
+from scopedlite._comm.debug import CollectiveMismatchError, calling_line
 from scopedlite._comm.wire import DTYPES, TORCH_OPS, gather_objects
 
 __all__ = ["ROW", "Call", "ShapeMismatchError", "check_same", "checked_first_dims", "first_dims"]
@@ -135,10 +135,16 @@ def check_same(call: Call, gather: Gather, reduce: Reduce) -> None:
     twice its all-reduce (``benchmarks/collective_checks.py``). Only on a difference does
     ``gather`` bring each rank's description, for the error.
     """
-    row = call.row(call.description())
+    _compared(call, call.row(call.description()), ROW, gather, reduce)
+
+
+def _compared(call: Call, row: torch.Tensor, compared: int, gather: Gather, reduce: Reduce) -> torch.Tensor:
+    """The all-reduce of :func:`check_same`; raises on every rank where the first
+    ``compared`` slots of ``row`` differ between ranks. Returns the slots' maxima."""
     extremes = reduce(torch.cat([row, -row]), "max")
-    if not torch.equal(extremes[:ROW], -extremes[ROW:]):
+    if not torch.equal(extremes[:compared], -extremes[ROW : ROW + compared]):
         _refuse(call, gather)
+    return extremes
 
 
 def checked_first_dims(
@@ -154,7 +160,7 @@ def checked_first_dims(
     (many ranks or leaves: every rank alike, then :func:`first_dims` gathers them); with
     ``world_size=0``, only the check."""
     full = call.description()
-    masked = _without_first_dims_zeroed(full)
+    masked = _without_first_dims(full)
     dims = _first_dims(full)
     tail = world_size * len(dims)
     fits = world_size > 0 and 1 + len(masked) + tail <= ROW
@@ -163,9 +169,7 @@ def checked_first_dims(
     if fits:
         at = compared + rank * len(dims)
         row[at : at + len(dims)] = torch.tensor(dims, dtype=torch.int64)
-    extremes = reduce(torch.cat([row, -row]), "max")
-    if not torch.equal(extremes[:compared], -extremes[ROW : ROW + compared]):
-        _refuse(call, gather)
+    extremes = _compared(call, row, compared, gather, reduce)
     if not fits:
         return None
     found = extremes[compared:ROW].view(world_size, len(dims))
@@ -205,7 +209,7 @@ def _refuse(call: Call, gather: Gather) -> None:
             "rank (what the other ranks pass is ignored)."
         )
     if len({d[4] for d in descriptions}) > 1:
-        if len({where.partition(" (from ")[0] for _, _, _, where in seen}) == 1:
+        if len({calling_line(where) for _, _, _, where in seen}) == 1:
             raise CollectiveMismatchError(
                 f"The ranks called lite.{call.kind} from the same line through different callers:\n"
                 f"{table}\n{_CALLERS_FIX}"
@@ -291,12 +295,9 @@ def _dtypes(description: list[int]) -> list[int]:
     return [dtype for dtype, _ in _leaves(description)]
 
 
-def _without_first_dims(description: list[int]) -> list[Any]:
-    return [*description[:_DESCRIPTION_AT], *((dtype, dims[1:]) for dtype, dims in _leaves(description))]
-
-
-def _without_first_dims_zeroed(description: list[int]) -> list[int]:
-    """``description`` with each leaf's first dimension 0, its length kept."""
+def _without_first_dims(description: list[int]) -> list[int]:
+    """``description`` with each leaf's first dimension 0, its length kept: what the ranks
+    of a ``gather_for_metrics`` must agree on."""
     out = description[:_DESCRIPTION_AT]
     for dtype, dims in _leaves(description):
         out += [dtype, len(dims), *([0, *dims[1:]] if dims else [])]
