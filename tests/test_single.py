@@ -385,7 +385,7 @@ def test_a_background_write_that_fails_is_raised_at_wait_at_the_next_save_and_at
 @pytest.mark.parametrize("mode", ["kill", "interrupt"])
 def test_a_process_ended_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, mode):
     """The writing process killed (SIGKILL while it trains on), or Ctrl-C while it waits for
-    the handle, once the temporary file holds 1 MB of the 64 MB: the path still holds the
+    the handle, once the temporary file holds 1 MB of the 128 MB: the path still holds the
     previous checkpoint; after Ctrl-C the KeyboardInterrupt is raised and the abandoned write
     removed its temporary file."""
     from conftest import SCRIPTS, run_warm

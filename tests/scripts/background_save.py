@@ -1,7 +1,7 @@
 """A process ended in the middle of a background save (tests/test_single.py).
 
 argv: FOLDER MODE. A blocking save of version 1 to FOLDER/ckpt.pt, then a background save
-of version 2 (64 MB) to the same path; once its temporary file holds 1 MB:
+of version 2 (128 MB) to the same path; once its temporary file holds 1 MB:
 
 - ``kill``: the main thread, still training, sends SIGKILL to its own process;
 - ``interrupt``: the main thread waits in ``handle.wait()``, and a thread sends SIGINT
@@ -42,7 +42,7 @@ def interrupt() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-weights = torch.full((16_000_000,), 2.0)
+weights = torch.full((32_000_000,), 2.0)  # 128 MB: a wide window for the signal on a busy machine
 if mode == "interrupt":
     threading.Thread(target=interrupt, daemon=True).start()
 handle = lite.save(path, {"version": 2, "w": weights}, blocking=False)
