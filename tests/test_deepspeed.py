@@ -403,7 +403,8 @@ def test_torch_clip_grad_norm_on_a_deepspeed_model_clips_the_engines_gradients(s
     DDP script (nanoGPT) writes it: under DeepSpeed every .grad is None, so torch clipped
     nothing and returned 0.0, silently. It now clips the engine's full gradients: the returned
     norms and the parameters equal plain torch's, for clip_grad_value_ too. Part of the
-    parameters is refused, and so is the call inside lite.join (on every rank at once)."""
+    parameters is refused, and so is the call inside lite.join (on every rank at once), and a
+    clip on rank 0 alone (torch's or lite's), at once, with the training unchanged."""
     result = script("deepspeed_torch_clip", strategy, timeout=RUN_S)
     assert result.returncode == 0, result.explain()
     seen = result.json()
@@ -418,6 +419,14 @@ def test_torch_clip_grad_norm_on_a_deepspeed_model_clips_the_engines_gradients(s
         assert "but not all it trains" in out["part"], out["part"]
         assert "lite.clip_gradients(model, optimizer, max_norm=...)" in out["join"], out["join"]
         assert out["after"] == 3.0
+    alone = seen[0]["alone"]  # rank 0 clipped alone: refused at once, the training unchanged
+    assert set(alone) == {"torch", "lite"}, alone
+    assert alone["torch"].startswith("torch.nn.utils.clip_grad_norm_() was called on rank(s) [0] only"), alone
+    assert alone["lite"].startswith("lite.clip_gradients() was called on rank(s) [0] only"), alone
+    for message in alone.values():
+        assert "(rank 1 went on to optimizer.step(), a collective here)" in message, message
+        assert "Clip on every rank, then use the" in message, message
+    assert seen[1]["alone"] == {}
 
 
 @needs_deepspeed

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import SCRIPTS, _env
 from scopedlite._hardware.machine import Machine
-from scopedlite._launch.stall import DTENSOR_WAIT, WRITTEN_BYTES, Look, Progress, look_at
+from scopedlite._launch.stall import DTENSOR_WAIT, LEDGER_WAIT, WRITTEN_BYTES, Look, Progress, look_at
 from scopedlite._launch.watchdog import Limits
 from scopedlite._plan import resolve
 
@@ -96,6 +96,20 @@ def test_a_dtensor_collective_is_a_wait_named_as_such():
         ]
     )
     assert look.where == f"{DTENSOR_WAIT} (train.py:2)"
+
+
+def test_the_gather_ledgers_check_is_one_wait_whether_it_reads_or_pauses():
+    """A rank checking that every rank reaches its step (lockstep.py) polls the store: its
+    innermost frame is the read of the others' lines, or the poll itself between two reads.
+    Both are the same wait, in one place, named with the user's line (it was work before,
+    and a rank the ledger could not see left the run hanging until the collective timeout)."""
+    ledger = "/repo/scopedlite/_strategies/lockstep.py"
+    above = [("main", USER), ("clip_gradients", "/repo/scopedlite/_api/setup.py"), ("_together", ledger)]
+    reading = _look([*above, ("_poll", ledger), ("_entries", ledger)])
+    pausing = _look([*above, ("_poll", ledger)])
+    assert reading.where == pausing.where == f"{LEDGER_WAIT} (train.py:2)"
+    assert reading.place == pausing.place
+    assert not _look([*above, ("_write", ledger)]).waiting  # a write waits for no rank
 
 
 @pytest.mark.parametrize(
@@ -268,13 +282,14 @@ def test_a_rank_leaving_its_join_loop_early_alone_is_named_with_the_fix(script):
 @pytest.mark.timeout(90)
 def test_a_rank_alone_in_a_dtensor_collective_is_ended(script):
     """Under FSDP, rank 0 alone reads a norm of the sharded parameters while ranks 1 and 2
-    wait in lite.barrier(): the watchdog names rank 0's wait as a DTensor's collective."""
+    wait in a raw torch.distributed.barrier(), where the gather ledger cannot see them: rank 0
+    waits in the ledger's check before the DTensor's collective, and the watchdog names it."""
     result = script("stall", "dtensor", env={"SCOPEDLITE_HANG_TIMEOUT": "2", "SCOPEDLITE_ORDER_CHECK": "0"})
     out = result.json()
     assert out["error"] == "CollectiveTimeoutError", result.explain()
     message = out["message"]
     alone = _line_of("print(float(sum(p.detach().pow(2).sum()")
-    assert f"rank 0: waits in {DTENSOR_WAIT} (stall.py:{alone})" in message, message
+    assert f"rank 0: waits in {LEDGER_WAIT} (stall.py:{alone})" in message, message
     for rank in (1, 2):
         assert f"rank {rank}: waits in barrier (stall.py:{alone + 1})" in message, message
     _assert_no_survivors(out["pids"])

@@ -202,9 +202,18 @@ def clip_gradients(
         )
     run = current()
     session = active_session(run) if run.world_size > 1 else None
+    if run.strategy.clips_together(max_norm is not None) and session is None:
+        every_rank_calls("lite.clip_gradients", _CLIPS_TOGETHER, _CLIP_FIX)
     # Inside lite.join the session clips: under sharding, ranks that ran out of data clip too.
     target = session if session is not None else run.strategy
     return target.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=p)
+
+
+_CLIPS_TOGETHER = "the gradients' norm, or the gradients themselves, come from every rank"
+_CLIP_FIX = (
+    "Clip on every rank, then use the norm on one: `norm = lite.clip_gradients(model, optimizer, "
+    "max_norm=1.0)` everywhere, `if run.is_global_zero: print(norm)`."
+)
 
 
 def _norm_type(norm_type: object) -> float:

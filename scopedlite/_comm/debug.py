@@ -31,6 +31,7 @@ __all__ = [
     "calling_line",
     "check_same_collective",
     "debug_enabled",
+    "is_users_own",
     "order_check_enabled",
     "site_id",
     "site_name",
@@ -97,6 +98,12 @@ def _is_ours(filename: str) -> bool:
     if ours is None:
         ours = _OURS[filename] = os.path.abspath(filename).startswith(PACKAGE_DIR)
     return ours
+
+
+def is_users_own(filename: str) -> bool:
+    """Whether ``filename`` is one of the user's own files (a script, a module beside it):
+    not scopedlite's, torch's, the standard library's or anything installed."""
+    return _user_file(filename) is not None
 
 
 def _user_file(filename: str) -> str | None:

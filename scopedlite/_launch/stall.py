@@ -5,7 +5,10 @@ thread, but for Ray Train's training thread) every few seconds. A look says
 *waiting* when the innermost Python frame is one of the places where a rank waits for its
 peers: a ``torch.distributed`` collective (c10d, functional collectives, FSDP2's all-gather
 and reduce-scatter waits), DeepSpeed's ``deepspeed.comm``, or our own communication
-(``scopedlite/_comm``: our collectives and the end-of-block barrier). Anything else is
+(``scopedlite/_comm``: our collectives and the end-of-block barrier), or the gather ledger's
+check that every rank reaches a step (a poll of the store: before, a rank left polling there
+by one the ledger cannot see was *working* until the collective timeout, SIGTERM included).
+Anything else is
 *working*: Python code, a checkpoint being written. Only the innermost frame counts:
 torchrun's ``@record`` wraps the whole program in a ``torch.distributed`` frame. A backward
 (torch's autograd engine, in C++) and DDP's forward are both: DDP's gradient all-reduce,
@@ -38,6 +41,7 @@ from typing import Callable
 __all__ = [
     "DTENSOR_WAIT",
     "JOIN_BLOCK_END",
+    "LEDGER_WAIT",
     "Look",
     "Progress",
     "bytes_written",
@@ -88,6 +92,13 @@ _JOIN_ROUNDS = {
     "clip_gradients": "lite.join's round before lite.clip_gradients",
     "_announce_collective": "lite.join's round before a lite collective",
 }
+# The gather ledger's checks (lockstep.py) read the other ranks' lines on the store until
+# they reach this rank's step: a wait on peers in Python, alternating between a read and a
+# pause, so the place of such a wait is its polling function, not its line. A rank the ledger
+# cannot see (in a raw torch.distributed call) leaves the checking rank there.
+_LEDGER = "/scopedlite/_strategies/lockstep.py"
+_LEDGER_POLL, _LEDGER_READ = "_poll", "_entries"
+LEDGER_WAIT = "the gather ledger's check that every rank reaches this step"
 # A DTensor operation that needs other ranks' shards (a norm of FSDP's sharded parameters
 # read with float(), full_tensor()) waits in a functional collective under this folder.
 _DTENSOR = "/torch/distributed/tensor/"
@@ -136,11 +147,16 @@ def look_at(frame: FrameType | None) -> Look:
         frame = frame.f_back
     if frame is None:
         return Look(None, ("", 0))
-    place = (frame.f_code.co_filename, frame.f_lineno or 0)
+    poll = _ledger_poll(frame)
+    if poll is not None:  # one place however its lines alternate
+        frame, place = poll, (poll.f_code.co_filename, poll.f_code.co_firstlineno)
+    else:
+        place = (frame.f_code.co_filename, frame.f_lineno or 0)
     in_cpp = _in_cpp(frame)
-    if not (in_cpp or _is_wait(frame.f_code.co_filename)):
+    if not (in_cpp or poll is not None or _is_wait(frame.f_code.co_filename)):
         return Look(None, place)
-    waits_in = in_cpp or frame.f_code.co_name  # or the collective itself: all_reduce, barrier, ...
+    # or the collective itself: all_reduce, barrier, ...
+    waits_in = in_cpp or (LEDGER_WAIT if poll is not None else frame.f_code.co_name)
     caller: FrameType | None = frame
     while caller is not None and _is_wait(caller.f_code.co_filename):
         if caller.f_code.co_name in _BLOCK_END:
@@ -160,6 +176,15 @@ def look_at(frame: FrameType | None) -> Look:
     if caller is not None:
         waits_in += f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
     return Look(waits_in, place, idle_only=bool(in_cpp))
+
+
+def _ledger_poll(frame: FrameType) -> FrameType | None:
+    """The gather ledger's polling frame, where ``frame`` is it or its read of the store."""
+    if not _normal(frame.f_code.co_filename).endswith(_LEDGER):
+        return None
+    if frame.f_code.co_name == _LEDGER_READ and frame.f_back is not None:
+        frame = frame.f_back
+    return frame if frame.f_code.co_name == _LEDGER_POLL else None
 
 
 def _in_cpp(frame: FrameType) -> str | None:

@@ -37,17 +37,19 @@ _MARK = "__scopedlite_replaced__"
 
 
 @contextlib.contextmanager
-def replaced(owner: Any, names: Iterable[str], wrap: Callable[[str, Any], Any]) -> Iterator[None]:
+def replaced(owner: Any, names: Iterable[str], wrap: Callable[[str, Any], Any], layer: str = "block") -> Iterator[None]:
     """``owner.<name> = wrap(name, original)`` for each of ``names`` that ``owner`` has, until
-    the block ends. A function replaced already (an enclosing block's) is left as it is."""
+    the block ends. A function replaced already by the same ``layer`` (an enclosing block's)
+    is left as it is; one replaced by another layer is wrapped again (a ``lite.join`` block's
+    guard around the run's: ``fsdp/dtensor_collectives.py``), and comes back when it ends."""
     saved: list[tuple[str, Any, bool]] = []  # (name, original, whether owner had it itself)
     try:
         for name in names:
             original = getattr(owner, name, None)
-            if original is None or getattr(original, _MARK, False):
+            if original is None or getattr(original, _MARK, None) == layer:
                 continue
             wrapper = wrap(name, original)
-            setattr(wrapper, _MARK, True)
+            setattr(wrapper, _MARK, layer)
             saved.append((name, original, name in vars(owner)))
             setattr(owner, name, wrapper)
         yield

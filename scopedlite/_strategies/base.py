@@ -165,6 +165,13 @@ class Strategy(ABC):
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         loss.backward(*args, **kwargs)
 
+    def clips_together(self, by_norm: bool) -> bool:
+        """Whether ``lite.clip_gradients`` (by norm where ``by_norm``, else by value) is a
+        collective over every rank here, as a norm of sharded gradients is: a call on some
+        ranks only would wait in it, so it is checked against the others first. False where
+        each rank clips the gradients it holds whole."""
+        return False
+
     def clip_gradients(
         self,
         module: torch.nn.Module,

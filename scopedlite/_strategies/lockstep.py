@@ -80,6 +80,7 @@ _FORWARD = "forward"  # a training forward: written, never checked
 EVALUATION = "an evaluation forward"  # grad disabled or the model in eval(): checked
 _ENDED = "\x00ended"  # what a rank at the end of its launch block does at every later step
 _IN_COLLECTIVE = "\x00collective"  # a rank in a collective of ours the reader has not entered
+_OPTIMIZER_STEP = "\x00step"  # a collective optimizer step (DeepSpeed's engine step): written, never read
 _NAMES = "\x1f"  # between the two names of a ledger entry (a method's name may hold ":")
 
 
@@ -152,6 +153,7 @@ class GatherLedger:
         self.broken = ""  # a skipped backward's refusal: no later step of this rank goes on
         self.epoch = 0  # lite.join blocks left: each starts the counts again, on every rank
         self._end_reads = (0.0, 0.0)  # when this rank reached its block's end, when it last read there
+        self._all_written = False  # every other rank's line was seen on the store
 
     @classmethod
     def of_default_group(
@@ -243,6 +245,35 @@ class GatherLedger:
             "rows), and its whole value needs every rank's part, so alone it would wait for "
             "ever. Read it on every rank (before `if run.is_global_zero:`), then use the number "
             "on one: `norm = float(p.norm())` everywhere, `if run.is_global_zero: print(norm)`."
+        )
+
+    def optimizer_step(self) -> None:
+        """This rank takes a collective optimizer step (DeepSpeed's engine step: ZeRO gathers
+        the updated partitions) that every rank takes: noted as a step of its own, never read
+        (a rank that calls something alone learns that this one waits in that step, where
+        its training forward never comes). Every rank then waits in the step's collectives
+        for the others, so no rank gets two of its checked steps past another's."""
+        self.step += 1
+        self.checked = ((self.step, _OPTIMIZER_STEP), self.checked[0])
+        self._write()
+
+    def dtensor_collective(self, name: str, where: str) -> None:
+        """A collective over DTensors (torch's functional ``name``) that the user's code at
+        ``where`` started is about to reach every rank (``fsdp/dtensor_collectives.py``): return
+        when every rank starts one too, raise :class:`MethodCalledOnSomeRanksError` when some
+        do not."""
+        what = f"a DTensor collective ({name})"
+        callers, seen = self._together(what)
+        if callers is None:
+            return
+        raise MethodCalledOnSomeRanksError(
+            f"{what[0].upper()}{what[1:]}, started at {where}, ran on rank(s) {callers} only ({_others(seen, what)}), "
+            f"under strategy={self.strategy!r}: it combines every rank's part of sharded values "
+            "(a norm of sharded gradients, as torch.nn.utils.clip_grad_norm_ takes it, a "
+            "parameter's full_tensor(), a redistribution), so alone it would wait for ever. Run "
+            "it on every rank (before `if run.is_global_zero:`), then use the result on one: "
+            "`norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` everywhere, "
+            "`if run.is_global_zero: print(norm)`."
         )
 
     def backward(self) -> None:
@@ -531,9 +562,13 @@ class GatherLedger:
 
     def _entries(self, ranks: list[int]) -> list[_Entry]:
         keys = [self._key(r) for r in ranks]
-        # multi_get would wait, bounded by the store's timeout, for a key not yet written
-        values = self.store.multi_get(keys) if self.store.check(keys) else [b""] * len(keys)
-        return [_Entry.parse(value) for value in values]
+        # multi_get would wait, bounded by the store's timeout, for a key not yet written: asked
+        # until every rank's line was seen once (a line, once written, stays)
+        if not self._all_written:
+            if not self.store.check(keys):
+                return [_Entry() for _ in keys]
+            self._all_written = len(keys) == self.world_size - 1
+        return [_Entry.parse(value) for value in self.store.multi_get(keys)]
 
 
 class Nesting:
@@ -660,6 +695,7 @@ _WORDS = {
     EVALUATION: "ran an evaluation forward instead",
     _ENDED: "reached the end of its launch block",
     _IN_COLLECTIVE: "waits in a collective (lite.barrier(), lite.all_reduce(), ...) this rank did not call",
+    _OPTIMIZER_STEP: "went on to optimizer.step(), a collective here",
 }
 
 

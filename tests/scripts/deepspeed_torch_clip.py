@@ -6,7 +6,10 @@ nothing and return 0.0, silently: the run trained unclipped. Now it clips the en
 gradients. Cases:
 
 - ``norm``: three steps with clip_grad_norm_ (a small max_norm: every step clips), each
-  returned norm and the parameters compared with plain torch in the test;
+  returned norm and the parameters compared with plain torch in the test; after the second
+  clip rank 0 alone clips again, with clip_grad_norm_ and with lite.clip_gradients (to log a
+  norm), while rank 1 goes on to its step: each refused at once, before any gather, so the
+  training is unchanged (``alone``);
 - ``value``: the same with clip_grad_value_;
 - ``part``: clip_grad_norm_ over part of the model's parameters is refused (ValueError);
 - ``join``: clip_grad_norm_ inside lite.join is refused on every rank at once, naming
@@ -29,13 +32,23 @@ def batches(rank):
     return [torch.randn(4, 4, generator=g) * 3 for _ in range(3)]
 
 
-def train(clip):
+def train(clip, alone=None):
     net = make_model()
     model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=LR))
     returned = []
-    for x in batches(lite.current().global_rank):
+    for i, x in enumerate(batches(lite.current().global_rank)):
         lite.backward(model(x).pow(2).mean())
         returned.append(clip(model))
+        if alone is not None and i == 1 and lite.current().is_global_zero:
+            # rank 0 alone clips once more to log the norm, while rank 1 goes on to its step
+            for what, call in (
+                ("torch", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)),
+                ("lite", lambda: lite.clip_gradients(model, opt, max_norm=MAX_NORM)),
+            ):
+                try:
+                    call()
+                except lite.MethodCalledOnSomeRanksError as e:
+                    alone[what] = str(e)
         opt.step()
         opt.zero_grad()
     return model, returned
@@ -44,7 +57,8 @@ def train(clip):
 out = {}
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=120) as run:
     rank = run.global_rank
-    model, norms = train(lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)))
+    out["alone"] = {}
+    model, norms = train(lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)), out["alone"])
     out["norm"] = {"params": params(model), "returned": norms}
     model, returned = train(lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), CLIP_VALUE))
     out["value"] = {"params": params(model), "returned": returned}

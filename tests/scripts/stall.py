@@ -23,9 +23,11 @@ argv: mode
    numbers). It waits in a round at the end of the block, not in the final broadcast, which
    met the others' gradient all-reduce; the watchdog names that wait and the fix.
 5. FSDP: rank 0 alone reads the squared norm of the sharded parameters (a log line under
-   `if rank == 0:`), a DTensor reduction over every rank, while ranks 1 and 2 wait in
-   lite.barrier(): the watchdog names the DTensor's collective (it took it for work, and the
-   run hung until the collective timeout).
+   `if rank == 0:`), a DTensor reduction over every rank, while ranks 1 and 2 wait in a raw
+   torch.distributed.barrier(). Its check against the others' steps (the gather ledger,
+   which refuses it at once where the others wait in a call of ours: test_whole_numbers.py)
+   cannot see them there and waits: the watchdog names that wait (it took the ledger's poll
+   for work, and the run hung until the collective timeout, SIGTERM included).
 """
 
 import json
@@ -70,7 +72,7 @@ try:
             model = lite.setup(torch.nn.Linear(4, 6))
             if run.is_global_zero:
                 print(float(sum(p.detach().pow(2).sum() for p in model.parameters())))  # rank 0 alone
-            lite.barrier()
+            torch.distributed.barrier()  # raw: the gather ledger cannot see a rank waiting in it
         if mode == "sigterm":
             lite.barrier()  # every rank wrote its pid file (a busy machine may start one late)
             if run.is_global_zero:

@@ -4,8 +4,9 @@ Every rank builds the plain model too (the reference, plain torch) and the set-u
 one step on the same global batch, and reads numbers from the sharded parameters and
 gradients as a one-device script does: float(), .item(), .tolist(), int(), bool(), an
 f-string, and the norm torch.nn.utils.clip_grad_norm_ returns (nanoGPT logs it). Then rank 0
-alone reads a norm (refused at once, and the run goes on), and every rank reads one inside
-lite.join (refused on every rank).
+alone reads a norm, clips with torch's clip_grad_norm_, gathers a whole parameter
+(full_tensor()) and clips with lite.clip_gradients (each refused at once, and the run goes on),
+and every rank reads a norm inside lite.join (refused on every rank).
 
 argv: strategy (fsdp | model_parallel: tensor parallel over both ranks)
 """
@@ -57,7 +58,8 @@ X, Y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
 with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as run:
     reference = make_model()  # plain torch: the whole batch, one process's numbers
     expected = reads(reference, step(reference, X, Y, torch.Tensor.backward))
-    model = lite.setup(make_model())
+    net = make_model()
+    model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     share, shares = run.data_parallel_rank, run.data_parallel_size  # fsdp: halves; tensor parallel: all
     got = reads(model, step(model, X[share::shares], Y[share::shares], lite.backward))
     alone = None
@@ -67,6 +69,20 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
         except lite.MethodCalledOnSomeRanksError as e:
             alone = str(e)
     lite.barrier()  # the run goes on
+    # Rank 0 alone starts a collective over DTensors (a clip that logs the norm, a whole
+    # parameter) or clips with lite.clip_gradients: refused at once, and the run goes on.
+    others_alone = {}
+    for what, call in (
+        ("torch_clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)),
+        ("full_tensor", lambda: next(model.parameters()).full_tensor()),
+        ("lite_clip", lambda: lite.clip_gradients(model, opt, max_norm=1.0)),
+    ):
+        if run.is_global_zero:
+            try:
+                call()
+            except lite.MethodCalledOnSomeRanksError as e:
+                others_alone[what] = str(e)
+        lite.barrier()
     after = float(next(model.parameters()).detach().norm())  # in step again: read together
     in_join = None
     with lite.join(model):
@@ -79,6 +95,7 @@ with lite.launch(strategy=strategy, devices=2, accelerator="cpu", timeout=60) as
             "expected": expected,
             "got": got,
             "alone": alone,
+            "others_alone": others_alone,
             "after": after,
             "in_join": in_join,
             "sharded": [type(p).__name__ for p in model.parameters()],

@@ -52,6 +52,7 @@ from scopedlite._strategies.deepspeed.logs import (
     quiet_deepspeed,
 )
 from scopedlite._strategies.deepspeed.torch_clipping import torch_clipping
+from scopedlite._strategies.join.members import in_join
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.reroute import replace_method, reroute_step
@@ -158,7 +159,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             super().start(placement, rendezvous)
             self.engines = Engines(self.set_up)  # a view of the run's registry (weak: a dropped model is released)
             # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) clips the engine's gradients
-            self._torch_clipping.enter_context(torch_clipping(self.engines.records))
+            self._torch_clipping.enter_context(torch_clipping(self.engines.records, self.every_rank_calls))
             self._counts = BackwardCounts()  # a step skipped on some ranks is refused (counted.py)
             self._owns_group = True
             self._start_deepspeed(placement, rendezvous)
@@ -317,7 +318,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def _before_step(self, engine: Any, noted: Callable[[], None] | None) -> Callable[[], None]:
         """What runs just before each step of ``engine`` that the user's ``optimizer.step()``
         (or DeepSpeed's own ``model.step()``) takes: a step with no backward since the last is
-        refused (``EngineRecord.refuse_unbacked_step``), then ``noted`` (stepped.py) is told."""
+        refused (``EngineRecord.refuse_unbacked_step``), then ``noted`` (stepped.py) is told,
+        and the gather ledger (outside ``lite.join``)."""
 
         def before() -> None:
             record = self.engines.of_engine(engine)
@@ -325,6 +327,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 record.refuse_unbacked_step(self.stage)
             if noted is not None:
                 noted()
+            if self._ledger is not None and not in_join():  # a rank calling something alone learns it
+                self._ledger.optimizer_step()
 
         return before
 
@@ -427,6 +431,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         backward (stages 2-3 partition them as they are reduced): it saves no communication."""
         engine = self._record(module, "lite.no_backward_sync").engine
         return accumulating(engine) if enabled else contextlib.nullcontext()
+
+    def clips_together(self, by_norm: bool) -> bool:
+        return self.placement.world_size > 1  # the engine's full gradients are gathered to clip them
 
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         """Clip the full gradients between backward and step, as DDP's are clipped."""

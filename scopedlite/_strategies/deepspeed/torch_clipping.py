@@ -14,7 +14,10 @@ by the user's code over parameters of a model set up in the run:
 - are refused with ``ValueError`` over part of them or over several models (each engine
   clips its whole model), and with ``RuntimeError`` inside ``lite.join`` (the full
   gradients are gathered from every rank, which the ranks out of data cannot take part in:
-  ``lite.clip_gradients`` is mirrored there).
+  ``lite.clip_gradients`` is mirrored there);
+- are checked against the other ranks first (``together``: the gather ledger) and refused
+  at once on a rank that clips alone (``if run.is_global_zero:`` around a clip that logs the
+  norm), which would wait in the gather for the others' next step.
 
 Other parameters (a plain model beside the engines) are clipped by torch as before. The
 functions are replaced on ``torch.nn.utils`` and ``torch.nn.utils.clip_grad`` through
@@ -41,19 +44,25 @@ __all__ = ["torch_clipping"]
 _CLIPS = ("clip_grad_norm_", "clip_grad_value_")
 
 
+# together(call, why, fix): returns when every rank makes ``call``, else raises
+# (ProcessGroupStrategy.every_rank_calls).
+Together = Callable[[str, str, str], None]
+
+
 @contextlib.contextmanager
-def torch_clipping(records: Callable[[], list[EngineRecord]]) -> Iterator[None]:
+def torch_clipping(records: Callable[[], list[EngineRecord]], together: Together) -> Iterator[None]:
     """For the block: torch's clipping of a set-up engine's parameters is the engine's (see
-    the module docstring). ``records``: the run's engines, asked at each call."""
+    the module docstring). ``records``: the run's engines, asked at each call; ``together``:
+    the check that every rank clips."""
 
     def wrap(name: str, original: Any) -> Any:
-        return _clipping(name, original, records)
+        return _clipping(name, original, records, together)
 
     with replaced(torch.nn.utils, _CLIPS, wrap), replaced(torch.nn.utils.clip_grad, _CLIPS, wrap):
         yield
 
 
-def _clipping(name: str, original: Any, records: Callable[[], list[EngineRecord]]) -> Any:
+def _clipping(name: str, original: Any, records: Callable[[], list[EngineRecord]], together: Together) -> Any:
     by_norm = name == "clip_grad_norm_"
 
     @functools.wraps(original)
@@ -70,6 +79,12 @@ def _clipping(name: str, original: Any, records: Callable[[], list[EngineRecord]
                 "lite.clip_gradients(model, optimizer, max_norm=...) inside the block: it clips "
                 "on every rank, the ones out of data too."
             )
+        together(
+            f"torch.nn.utils.{name}",
+            "under DeepSpeed it clips the engine's full gradients, gathered from every rank",
+            f"Clip on every rank, then use the result on one: `norm = torch.nn.utils.{name}("
+            "model.parameters(), ...)` everywhere, `if run.is_global_zero: print(norm)`.",
+        )
         if by_norm:
             return _clip_norm(record, *args, **kwargs)
         (clip_value,) = args or (kwargs.pop("clip_value"),)

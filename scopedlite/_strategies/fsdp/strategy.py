@@ -27,6 +27,7 @@ from scopedlite._io.canonical import OptimizerEntry, Tensors
 from scopedlite._io.consolidate import optimizer_state_to_indices
 from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.fsdp import checkpoint as _checkpoint
+from scopedlite._strategies.fsdp.dtensor_collectives import dtensor_collectives_together
 from scopedlite._strategies.fsdp.full_loads import shard_full_model_state, shard_full_optimizer_state
 from scopedlite._strategies.fsdp.hybrid import REPLICATE, SHARD, check_replicate_degree, hsdp_shape
 from scopedlite._strategies.fsdp.init import InitRecords, checkpoint_activations
@@ -287,8 +288,11 @@ class FSDPStrategy(ProcessGroupStrategy):
             gather_for_user_methods(module, user_class, self._ledger)
         elif self._ledger is not None:  # its forwards still gather (tensor-parallel collectives)
             count_depth(module, Nesting(self._ledger))
-        if not self._numbers_whole:  # a number read from a sharded value is its whole value
+        if not self._numbers_whole and not in_join():
+            # a number read from a sharded value is its whole value, and a collective the
+            # user's code starts on DTensors is made by every rank, or refused
             self._run_patches.enter_context(whole_numbers(self._ledger))
+            self._run_patches.enter_context(dtensor_collectives_together(self._ledger))
             self._numbers_whole = True
 
         # A state dict saved by one rank is loaded there only (shard_files.py); a plain one
@@ -387,6 +391,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         stepped = None if in_join() or self._windows else self._stepped
         with compared(stepped, self._rounds_group() if stepped is not None else None, _STEPPED_APART):
             super().backward(loss, *args, **kwargs)
+
+    def clips_together(self, by_norm: bool) -> bool:
+        return by_norm and self.placement.world_size > 1  # the sharded gradients' norm; values clamp locally
 
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         from torch.distributed.tensor import DTensor

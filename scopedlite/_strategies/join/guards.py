@@ -23,12 +23,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scopedlite._comm.debug import PACKAGE_DIR
+from scopedlite._comm.debug import PACKAGE_DIR, is_users_own
 from scopedlite._core.dtensors import dtensor_class, is_whole
 from scopedlite._private.torch_internals import functional_collectives
 from scopedlite._private.torch_patches import replaced
 
-__all__ = ["from_library", "refuse_distributed_norms", "refuse_dtensor_collectives", "refuse_raw_collectives"]
+__all__ = [
+    "from_library",
+    "group_of",
+    "refuse_distributed_norms",
+    "refuse_dtensor_collectives",
+    "refuse_raw_collectives",
+    "spans_every_rank",
+    "started_by_user",
+]
 
 # torch.distributed's collectives, as a user or a library (torchmetrics' compute()) calls them.
 _RAW_COLLECTIVES = (
@@ -168,19 +176,14 @@ def _guarded_functional(name: str, original: Any, replicas: tuple[int, ...], ran
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         caller = _loop_caller(block)
-        if caller is not None:
-            try:
-                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-            except TypeError:  # torch says what is wrong with the call
-                group = None
-            if _spans_replicas(group, replicas, rank):
-                raise _unmirrorable(
-                    f"A DTensor operation (torch's functional {name})",
-                    caller,
-                    "Compute it after the `with lite.join(...)` block, or on plain tensors: "
-                    "`lite.clip_gradients` for a gradient norm, `t.to_local()` for this rank's "
-                    "shard (then `lite.all_reduce` it, which stays correct inside the block).",
-                )
+        if caller is not None and _spans_replicas(group_of(signature, args, kwargs), replicas, rank):
+            raise _unmirrorable(
+                f"A DTensor operation (torch's functional {name})",
+                caller,
+                "Compute it after the `with lite.join(...)` block, or on plain tensors: "
+                "`lite.clip_gradients` for a gradient norm, `t.to_local()` for this rank's "
+                "shard (then `lite.all_reduce` it, which stays correct inside the block).",
+            )
         return original(*args, **kwargs)
 
     return guarded
@@ -192,18 +195,65 @@ def _loop_caller(block: Any) -> Any:
     here is a model's forward, a backward, an optimizer step, ours, FSDP's or DeepSpeed's
     (see ``_MIRRORED_DIRS`` and ``_BACKWARD_STARTS``); else None (also where the call does
     not come from the block's body: another thread)."""
-    frame = sys._getframe(2)
+    return _user_frame(sys._getframe(2), block)
+
+
+def started_by_user() -> Any:
+    """Outside a ``lite.join`` block: the frame of the user's own code (not a library's, nor
+    the standard library's: a thread's start) that led to the DTensor collective being
+    called (the caller's caller of this function: a guard's), when nothing between the
+    bottom of the stack and here is a model's forward, a backward, an optimizer step, ours
+    (but our launcher's, which may run the script), FSDP's or DeepSpeed's; else None."""
+    return _user_frame(sys._getframe(2), None)
+
+
+def _user_frame(frame: Any, block: Any) -> Any:
     user = None
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(_MIRRORED) or ((path, frame.f_code.co_name) in _BACKWARD_STARTS):
+        kind, path = _KINDS.get(frame.f_code.co_filename) or _kind(frame.f_code.co_filename)
+        if kind == _MODELS_WORK or (path, frame.f_code.co_name) in _BACKWARD_STARTS:
             return None
-        if user is None and not path.startswith(_TORCH_DIR):
+        if user is None and kind != _TORCH and (block is not None or is_users_own(frame.f_code.co_filename)):
             user = frame
         if frame is block:
             return user
         frame = frame.f_back
-    return None
+    return user if block is None else None
+
+
+_TORCH, _MODELS_WORK, _OTHER = "torch", "models", "other"
+_KINDS: dict[str, tuple[str, str]] = {}  # co_filename -> (what its frames are, its absolute path)
+# Ours that start the user's code rather than run a model's step: a worker's script may run
+# under the launcher, or under the command line's runner.
+_LAUNCHING = tuple(os.path.join(PACKAGE_DIR, *part) for part in (("_launch", ""), ("_cli.py",), ("__main__.py",)))
+
+
+def _kind(filename: str) -> tuple[str, str]:
+    path = os.path.abspath(filename)
+    if path.startswith(_MIRRORED) and not path.startswith(_LAUNCHING):
+        kind = _MODELS_WORK
+    elif path.startswith(_TORCH_DIR):
+        kind = _TORCH
+    else:
+        kind = _OTHER
+    _KINDS[filename] = kind, path
+    return kind, path
+
+
+def group_of(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``group`` argument of a call of a functional collective (None where the call does
+    not bind: torch says what is wrong with it)."""
+    try:
+        return signature.bind_partial(*args, **kwargs).arguments.get("group")
+    except TypeError:
+        return None
+
+
+def spans_every_rank(group: Any) -> bool:
+    """Whether a functional collective's ``group`` holds every rank of the world (False where
+    it cannot be told)."""
+    ranks = _ranks_of(group)
+    return ranks is not None and len(set(ranks)) == dist.get_world_size()
 
 
 def _spans_replicas(group: Any, replicas: tuple[int, ...], rank: int) -> bool:
