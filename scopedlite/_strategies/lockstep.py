@@ -28,9 +28,12 @@ read the first; the slower one finds the step it waits at one back:
   before anything is gathered (the ranks still waiting in their own gather end with the run).
 
 A training forward (grad enabled, model in ``train()``) only writes: every rank runs it, and
-reading there would cost each step a wait on the slowest rank. What the ledger cannot see: a
-rank waiting in a raw ``torch.distributed`` call; the caller then waits, up to the run's
-collective timeout, and raises ``TimeoutError`` naming the ranks that never came.
+reading there would cost each step a wait on the slowest rank. DeepSpeed's engine step, a
+collective every rank takes, is noted the same way (:meth:`GatherLedger.optimizer_step`). What
+the ledger cannot see: a rank waiting in a raw ``torch.distributed`` call; the caller then
+waits in its poll, which the hang watchdog counts as a wait (``_launch/stall.py``) and ends
+after its window or a SIGTERM's grace; else the run's collective timeout raises
+``TimeoutError`` naming the ranks that never came.
 
 A step whose backward one rank skipped (``if not torch.isfinite(loss): continue`` on one
 rank) is seen the same way. Each rank also counts its training forwards and its backwards
