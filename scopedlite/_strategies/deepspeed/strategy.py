@@ -433,7 +433,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         return accumulating(engine) if enabled else contextlib.nullcontext()
 
     def clips_together(self, by_norm: bool) -> bool:
-        return self.placement.world_size > 1  # the engine's full gradients are gathered to clip them
+        return True  # the engine's full gradients are gathered to clip them
 
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         """Clip the full gradients between backward and step, as DDP's are clipped."""

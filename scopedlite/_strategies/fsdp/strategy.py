@@ -393,7 +393,7 @@ class FSDPStrategy(ProcessGroupStrategy):
             super().backward(loss, *args, **kwargs)
 
     def clips_together(self, by_norm: bool) -> bool:
-        return by_norm and self.placement.world_size > 1  # the sharded gradients' norm; values clamp locally
+        return by_norm  # the sharded gradients' norm; values clamp locally
 
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         from torch.distributed.tensor import DTensor
