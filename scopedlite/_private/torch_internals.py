@@ -32,6 +32,7 @@ __all__ = [
     "fsdp_cast_forward_inputs",
     "fsdp_post_forward",
     "fsdp_pre_forward",
+    "fsdp_subclass_namespace",
     "group_sequence_numbers",
     "has_registered",
     "leave_torch_join",
@@ -304,6 +305,19 @@ def fsdp_post_forward(module: torch.nn.Module, output: Any) -> Any:
     Why private: see :func:`fsdp_cast_forward_inputs`. Checked against torch 2.13.
     """
     return module._get_fsdp_state()._post_forward(module, (), output)  # type: ignore[operator]
+
+
+def fsdp_subclass_namespace(fsdp_class: type, mixins: int) -> dict[str, Any]:
+    """What a subclass of FSDP2's ``FSDP<Orig>`` class with ``mixins`` classes mixed in before
+    it must say so that ``FSDPModule.__new__`` (which builds the *original* class, e.g. when
+    a container is indexed into: ``Sequential[1:]``) still finds that class in its MRO.
+
+    Why private: ``__new__`` reads the original class at ``_orig_cls_mro_index`` in the MRO,
+    which every class mixed in before FSDP's shifts; there is no public way to say so. Checked
+    against torch 2.13 and 2.9 (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``).
+    """
+    index = getattr(fsdp_class, "_orig_cls_mro_index", None)
+    return {} if index is None else {"_orig_cls_mro_index": index + mixins}
 
 
 def forget_dtensor_shardings() -> None:

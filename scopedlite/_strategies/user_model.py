@@ -1,22 +1,36 @@
-"""The set-up model stays the user's model: a wrapper that answers for the module inside.
+"""The set-up model is the user's model: one mechanism, a view class, one hook per backend.
 
-DDP and DeepSpeed return a wrapper (``DistributedDataParallel``, a DeepSpeed engine) whose
-attributes, methods and state dict keys are the wrapper's own: ``model.scale`` fails and
-``model.state_dict()`` has ``module.``-prefixed keys that do not load into a plain ``Net()``.
-A script written for one device must not change when the strategy does, so the wrapper's
-class is swapped, after it is built, for a subclass that adds :class:`UserModelView`:
+Under every strategy what ``lite.setup`` returns answers the user's attributes and methods and
+uses the plain module's state dict keys (SPEC 7-8), whatever the backend made of the module:
+DDP and DeepSpeed wrap it (``DistributedDataParallel``, an engine: ``model.scale`` fails there
+and the keys carry ``module.``); FSDP2's ``fully_shard`` keeps the user's module, but its
+other methods would meet sharded parameters. The mechanism is the same for all three: once
+the backend has built the object, its class becomes a subclass of its own class with a *view*
+mixed in before it (:func:`present_as_user_model`), as ``fully_shard`` itself swaps the
+class. Nothing is written into the instance, and ``isinstance`` against the backend's class
+(and the user's, where it held) stays true. The view answers:
 
-- attributes the wrapper does not have are read from (and, if the module has them, written
-  to) the user's module;
-- the user's own methods: under DDP plain calls, with DDP's gradient sync prepared only when
-  their result is back-propagated (ddp/methods.py); under DeepSpeed *through the engine's
-  forward* (the user's ``forward`` is pointed at the method for that one call), so that
-  ZeRO-3 gathers the parameters for them;
-- ``state_dict()`` / ``load_state_dict()`` are the user's module's, with its plain keys.
+- names: a wrapper's view (:class:`UserModelView`) reads the user's attributes from the module
+  inside and writes those the module has there; FSDP's module is the user's already;
+- the user's own methods (:func:`user_method_names`), through the view's one hook,
+  ``_lite_method(method, name)``, handed the plain bound method - ``save_pretrained`` through
+  ``_lite_saving_method``. Each backend's hook does what its forward would have done:
+  DeepSpeed (this module's default) runs the method inside the engine's forward, always under
+  ZeRO-3 (parameters gathered) and otherwise when gradients are on; DDP
+  (``SetUpDDP``, ddp/model.py) calls it plainly and prepares DDP's reducer only if
+  its result is back-propagated; FSDP (fsdp/methods.py) gathers the parameters when the
+  method first needs them. A wrapper's view finds the methods in ``__getattr__`` (they are
+  not its class's); a class that is the user's own holds a :class:`UserMethod` for each;
+- ``state_dict()`` / ``load_state_dict()``: the user's module's, plain keys.
 
-The wrapper keeps its class's identity (``isinstance(model, DistributedDataParallel)`` stays
-true), so code that checks for it keeps working. Swapping the class of an object built by a
-library, rather than wrapping it again, is what FSDP2's ``fully_shard`` does too.
+Which object carries the view: DDP's own module; FSDP's sharded module and each FSDP unit in
+it, with a class made for each (holding its gathering state) and swapped back when the run
+ends (the module is the user's); under DeepSpeed a second object of the engine's class that
+nothing of DeepSpeed references (deepspeed/engines.py), so that a model the user drops is
+released - the engine never is garbage (its hooks on the parameters point back at it).
+Where a method gathers over several ranks (ZeRO-3, FSDP), the gather ledger (lockstep.py)
+checks before the first gather that every rank calls it, and refuses it where one does not;
+inside ``lite.join`` it is refused (join/members.py).
 """
 
 from __future__ import annotations
@@ -25,27 +39,27 @@ import contextlib
 import contextvars
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from scopedlite._private.torch_internals import ddp_comm_hook, has_registered, registered_submodule
-from scopedlite._strategies.ddp.counted import count_of, paused_in_torch_join, use_hook
-from scopedlite._strategies.ddp.methods import ddp_method
-from scopedlite._strategies.ddp.unused import forward_naming_unused
+from scopedlite._private.torch_internals import has_registered, registered_submodule
 from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
 from scopedlite._strategies.lockstep import Nesting, every_rank_calls
 from scopedlite._strategies.method_results import on_backward
+from scopedlite._strategies.set_up import SetUpObjects
 
 __all__ = [
     "SAVING_METHODS",
-    "SetUpDDP",
+    "UserMethod",
     "UserModelView",
     "present_as_user_model",
     "saving_method",
+    "own_class_view",
     "share_tied",
+    "user_class_of",
     "user_method_names",
     "user_owns",
     "view_class",
@@ -69,33 +83,31 @@ def _user_classes(cls: type) -> list[type]:
     ]
 
 
+def user_class_of(cls: type) -> type:
+    """The user's own class ``cls`` is, or subclasses (``GPT`` for FSDP's ``FSDPGPT``)."""
+    return next(iter(_user_classes(cls)), cls)
+
+
 def user_method_names(cls: type[torch.nn.Module]) -> list[str]:
     """The plain methods the user's classes define on ``cls`` (not torch's, not ``forward``,
     not dunders, not torch.nn.Module's API): the ones that must run the way ``forward`` runs."""
-    names: dict[str, None] = {}
-    for klass in _user_classes(cls):
-        for name, value in vars(klass).items():
-            if (
-                name == "forward"
-                or name in _MODULE_API
-                or name in SAVING_METHODS
-                or (name.startswith("__") and name.endswith("__"))
-            ):
-                continue
-            if callable(value) and not isinstance(value, (staticmethod, classmethod, type)):
-                names.setdefault(name, None)
-    return list(names)
+    return [
+        name
+        for name, value in _user_names(cls).items()
+        if name not in SAVING_METHODS and callable(value) and not isinstance(value, (staticmethod, classmethod, type))
+    ]
 
 
 @functools.cache
-def _class_names(cls: type) -> frozenset[str]:
-    """Every name (methods, properties, class attributes) the user's classes define on ``cls``."""
-    return frozenset(
-        name
-        for klass in _user_classes(cls)
-        for name in vars(klass)
-        if name != "forward" and name not in _MODULE_API and not (name.startswith("__") and name.endswith("__"))
-    )
+def _user_names(cls: type) -> dict[str, Any]:
+    """Every name (methods, properties, class attributes) the user's classes define on ``cls``
+    but ``forward``, dunders and torch.nn.Module's API, with its definition the MRO finds."""
+    names: dict[str, Any] = {}
+    for klass in _user_classes(cls):
+        for name, value in vars(klass).items():
+            if name != "forward" and name not in _MODULE_API and not (name.startswith("__") and name.endswith("__")):
+                names.setdefault(name, value)
+    return names
 
 
 def user_owns(inner: torch.nn.Module, name: str) -> bool:
@@ -108,7 +120,7 @@ def user_owns(inner: torch.nn.Module, name: str) -> bool:
         return name not in _MODULE_API
     if has_registered(inner, name):
         return True
-    return name in _class_names(type(inner))
+    return name in _user_names(type(inner))
 
 
 class UserModelView(torch.nn.Module):
@@ -121,7 +133,7 @@ class UserModelView(torch.nn.Module):
         lite_always_through_forward: Run the user's methods through the wrapper's forward
             even with gradients disabled (ZeRO-3: parameters must be gathered for any use).
             Otherwise they go through forward only when gradients are enabled (DeepSpeed
-            stages 1-2; :class:`SetUpDDP` routes them its own way).
+            stages 1-2; ``SetUpDDP`` (ddp/model.py) routes them its own way).
     """
 
     lite_always_through_forward: ClassVar[bool] = False
@@ -153,20 +165,23 @@ class UserModelView(torch.nn.Module):
 
     def _lite_user_attribute(self, inner: torch.nn.Module, name: str) -> Any:
         """``inner``'s attribute ``name`` as the set-up model answers it."""
+        qualified = f"{type(inner).__name__}.{name}"
         if name in SAVING_METHODS:
-            return self._lite_saving_method(inner, name)
+            return self._lite_saving_method(getattr(inner, name), qualified)
         if name in _methods_of(type(inner)):
-            return self._lite_method(inner, name)
+            return self._lite_method(getattr(inner, name), qualified)
         return getattr(inner, name)
 
-    def _lite_saving_method(self, inner: torch.nn.Module, name: str) -> Any:
+    def _lite_saving_method(self, method: Callable[..., Any], name: str) -> Any:
         """A method that saves the weights (``save_pretrained``): where every rank holds them
         whole (DDP), the user's own, called directly, on any subset of ranks."""
-        return getattr(inner, name)
+        return method
 
-    def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
-        """``inner.<name>``, one of the user's own methods, as the set-up model answers it."""
-        return _through_forward(self, inner, name)
+    def _lite_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """The backend's hook: ``method`` (one of the user's own, bound to the user's module;
+        ``name`` as errors call it, ``"GPT.generate"``) as the set-up model answers it. Here:
+        through the wrapper's forward where gradients are on or parameters are sharded."""
+        return _through_forward(self, self._lite_inner(), method, name)  # type: ignore[arg-type]
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self._lite_inner()
@@ -197,10 +212,10 @@ def _methods_of(cls: type[torch.nn.Module]) -> frozenset[str]:
     return frozenset(user_method_names(cls))
 
 
-def _through_forward(wrapper: UserModelView, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
-    """``inner.<name>`` as a callable that runs inside ``wrapper``'s forward when needed."""
-    method = getattr(inner, name)
-    qualified = f"{type(inner).__name__}.{name}"
+def _through_forward(
+    wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], qualified: str
+) -> Callable[..., Any]:
+    """``method`` (``inner``'s) as a callable that runs inside ``wrapper``'s forward when needed."""
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -274,6 +289,38 @@ def _restore_forward(inner: torch.nn.Module, had_own: bool, own: Any) -> None:
         inner.__dict__.pop("forward", None)
 
 
+class UserMethod:
+    """One of the user's methods on a view class of an object that *is* the user's module
+    (FSDP2's): bound to the object, then answered by the view's hook, ``_lite_method`` (or
+    ``_lite_saving_method`` for ``save_pretrained``). A wrapper's view needs none: the user's
+    methods are not its class's, and its ``__getattr__`` finds them on the module inside."""
+
+    def __init__(self, function: Any, name: str) -> None:
+        self.function = function
+        self.name = name  # as errors call it: "GPT.generate"
+        self.saving = name.rpartition(".")[2] in SAVING_METHODS
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        bound = self.function.__get__(obj, owner) if hasattr(self.function, "__get__") else self.function
+        if obj is None:
+            return bound
+        return obj._lite_saving_method(bound, self.name) if self.saving else obj._lite_method(bound, self.name)
+
+
+def own_class_view(own_class: type[torch.nn.Module], mixin: type, **state: Any) -> type[torch.nn.Module]:
+    """The view class of one object that is the user's module (of ``own_class``, the user's
+    class or FSDP's subclass of it): ``mixin`` (its hooks) before ``own_class``, a
+    :class:`UserMethod` for each of the user's methods and for ``save_pretrained``, and
+    ``state`` (what the hooks need, as class attributes: the class is made for this object
+    and dropped when the run ends)."""
+    user = user_class_of(own_class).__name__  # GPT, not FSDP's FSDPGPT
+    namespace: dict[str, Any] = {"__module__": mixin.__module__, **state}
+    for name in (*user_method_names(own_class), *SAVING_METHODS):
+        if callable(function := _user_names(own_class).get(name)):
+            namespace[name] = UserMethod(function, f"{user}.{name}")
+    return type(own_class.__name__, (mixin, own_class), namespace)
+
+
 def saving_method(
     method: Callable[..., Any],
     full_state: Callable[[], dict[str, Any]],
@@ -312,43 +359,27 @@ def share_tied(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]
     return state
 
 
-class SetUpDDP(UserModelView, DistributedDataParallel):
-    """``DistributedDataParallel`` answering for the user's module (see the module docstring)."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """DDP's forward; its error for parameters the last backward left without a
-        gradient names them and our fixing line (ddp/unused.py). A training forward is
-        counted, for the ranks to compare at the next backward (ddp/counted.py)."""
-        if torch.is_grad_enabled():
-            count = count_of(ddp_comm_hook(self))
-            if count is not None:
-                count.forward()
-        return forward_naming_unused(self, *args, **kwargs)
-
-    def _lite_method(self, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
-        return ddp_method(self, inner, name)
-
-    def join_hook(self, **kwargs: Any) -> Any:
-        """torch's ``Join([model])``: DDP's own hook, with the ranks' comparison of their
-        training forwards paused for the block (ddp/counted.py), where a rank out of data
-        shadows the others' backwards after fewer forwards."""
-        return paused_in_torch_join(super().join_hook(**kwargs), self)
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Your hook reduces the gradient buckets; inside the set-up model's own hook, which
-        still has the ranks compare their backwards (ddp/counted.py)."""
-        if not use_hook(ddp_comm_hook(self), state, hook):
-            super().register_comm_hook(state, hook)
-
-
-def present_as_user_model(wrapper: torch.nn.Module, view: type[UserModelView]) -> torch.nn.Module:
-    """Swap ``wrapper``'s class for ``view`` (a subclass of :class:`UserModelView` and of the
-    wrapper's class) once the wrapper is fully built; returns the same object. The class is
-    the one change: nothing is written into the instance."""
-    if not issubclass(view, type(wrapper)):
-        raise TypeError(f"{type(wrapper).__name__} cannot be presented as {view.__name__}.")
+def present_as_user_model(
+    wrapper: torch.nn.Module, view: type[torch.nn.Module], set_up: SetUpObjects | None = None
+) -> torch.nn.Module:
+    """Swap ``wrapper``'s class for ``view`` (a subclass of the wrapper's class with a view
+    mixed in) once the wrapper is fully built; returns the same object. The class is the one
+    change: nothing is written into the instance. With ``set_up`` (the object is the user's
+    own module: FSDP2's) the class is swapped back when the run ends."""
+    own = type(wrapper)
+    if not issubclass(view, own):
+        raise TypeError(f"{own.__name__} cannot be presented as {view.__name__}.")
     wrapper.__class__ = view
+    if set_up is not None:
+        # weakly: the view's class may hold what refers to the object (FSDP's gathering state)
+        set_up.at_end(functools.partial(_swap_back, weakref.ref(wrapper), weakref.ref(view), own))
     return wrapper
+
+
+def _swap_back(obj_ref: weakref.ref[torch.nn.Module], view_ref: weakref.ref[type], own: type) -> None:
+    obj = obj_ref()
+    if obj is not None and type(obj) is view_ref():
+        obj.__class__ = own
 
 
 @functools.cache

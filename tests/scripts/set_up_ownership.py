@@ -45,12 +45,21 @@ class Net(torch.nn.Module):
         return self(x).sum()
 
 
-def ours(obj: object) -> list[str]:
-    """The names in ``obj``'s instance ``__dict__`` that are ours (a DeepSpeed face shows the
-    engine's, which it shares), and an instance ``forward`` or ``step`` / ``zero_grad`` that
-    the class's own would hide."""
-    names = vars(obj)
-    return sorted(k for k in names if "lite" in k.lower() or k in ("forward", "step", "zero_grad"))
+def ours(obj: object, built_by_setup: bool = False) -> list[str]:
+    """The names in ``obj``'s instance ``__dict__`` that are ours, and an instance ``forward``
+    or ``step`` / ``zero_grad`` that the class's own would hide; for a module, also a class of
+    ours (FSDP's module is the user's: its class is ours during the run only) and forward
+    hooks of ours; ``built_by_setup``: a module lite.setup built (DDP's), whose class may
+    stay ours. A DeepSpeed face (ours) is looked through to the engine behind it."""
+    if "_lite_engine" in dir(type(obj)):
+        obj = object.__getattribute__(obj, "_lite_engine")
+    found = sorted(k for k in vars(obj) if "lite" in k.lower() or k in ("forward", "step", "zero_grad"))
+    if isinstance(obj, torch.nn.Module):
+        if type(obj).__module__.startswith("scopedlite") and not built_by_setup:
+            found.append(f"class {type(obj).__name__}")
+        hooks = [*obj._forward_pre_hooks.values(), *obj._forward_hooks.values()]
+        found += [f"hook {h.__qualname__}" for h in hooks if getattr(h, "__module__", "").startswith("scopedlite")]
+    return found
 
 
 blocks = []
@@ -89,7 +98,7 @@ for _block in range(3):
             "torch_inits_after": torch_inits_untouched(),
             "open_launches_after": len(this_process.open_launches.here()),
             "store_after": run.strategy.connection is not None or dist.is_initialized(),
-            "ours_on_model": ours(model),
+            "ours_on_model": ours(model, built_by_setup=sys.argv[1] == "ddp"),
             "ours_on_user_module": ours(net),
             "ours_on_optimizer": ours(opt),
         }

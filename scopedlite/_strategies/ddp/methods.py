@@ -33,9 +33,11 @@ from scopedlite._strategies.method_results import on_backward
 __all__ = ["ddp_method"]
 
 
-def ddp_method(ddp: DistributedDataParallel, inner: torch.nn.Module, name: str) -> Callable[..., Any]:
-    """``inner.<name>`` as the set-up model answers it (see the module docstring)."""
-    method = getattr(inner, name)
+def ddp_method(
+    ddp: DistributedDataParallel, inner: torch.nn.Module, method: Callable[..., Any], name: str
+) -> Callable[..., Any]:
+    """``method`` (``inner``'s, called ``name`` in errors) as the set-up model answers it (see
+    the module docstring)."""
     ref = weakref.ref(ddp)
 
     @functools.wraps(method)
@@ -44,12 +46,12 @@ def ddp_method(ddp: DistributedDataParallel, inner: torch.nn.Module, name: str) 
         if not torch.is_grad_enabled():
             return result
         if in_join(inner):
-            return on_backward(result, functools.partial(refuse_backward_in_join, f"{type(inner).__name__}.{name}"))
+            return on_backward(result, functools.partial(refuse_backward_in_join, name))
         sync = ddp_syncs_gradients(ddp)  # DDP decides at forward time; so do we
         if not sync:
             return result  # inside no_backward_sync: its backward accumulates locally
         if ddp.static_graph:
-            return on_backward(result, functools.partial(_refuse_static_graph, f"{type(inner).__name__}.{name}"))
+            return on_backward(result, functools.partial(_refuse_static_graph, name))
         keep = ddp.find_unused_parameters  # searched from the result for unused parameters
         return on_backward(result, functools.partial(_prepare, ref), keep_tensors=keep)
 

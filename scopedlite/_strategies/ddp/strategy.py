@@ -14,12 +14,13 @@ from scopedlite._strategies.base import Rendezvous
 from scopedlite._strategies.ddp.buffers import take_over_buffer_sync
 from scopedlite._strategies.ddp.counted import count_of, counted_backwards
 from scopedlite._strategies.ddp.join import DDPJoinHook, refuse_what_join_cannot_replay
+from scopedlite._strategies.ddp.model import SetUpDDP
 from scopedlite._strategies.lockstep import GatherLedger
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
 from scopedlite._strategies.scaler import GradientScaling, ScaledBackward
 from scopedlite._strategies.set_up import foreign_parameter, parameters_outside
 from scopedlite._strategies.stepped import SteppedOptimizers
-from scopedlite._strategies.user_model import SetUpDDP, present_as_user_model
+from scopedlite._strategies.user_model import present_as_user_model
 
 if TYPE_CHECKING:
     from scopedlite._core.run import Placement

@@ -18,17 +18,19 @@ gradients and the clipping. What DDP users write must keep working:
 - a model the user drops is released. DeepSpeed's gradient hooks live on the parameters, in
   C++, and point back at the engine: an engine is never garbage, so its drop cannot be seen
   on it. The user is therefore handed a *second face* of the engine (:func:`user_facing`),
-  which shares the engine's attributes (one ``__dict__``) and class, and which nothing of
-  DeepSpeed references: when the user lets go of it, ``engine.destroy()`` removes the hooks
-  and the engine, its optimizer and its parameters are freed.
+  an object of the engine's class (with the view mixed in: ``user_model.py``'s one
+  mechanism) that holds nothing but the engine and answers every name from it or from the
+  user's module, and that nothing of DeepSpeed references: when the user lets go of it,
+  ``engine.destroy()`` removes the hooks and the engine, its optimizer and its parameters
+  are freed.
 
 What the run knows about each engine (its optimizer, its parameters, the backward passes since
 the last step, how to release it) is its :class:`EngineRecord`, kept in the run's registry
 (``_strategies/set_up.py``) and read through :class:`Engines`; nothing is written onto
 DeepSpeed's objects. What the face itself must know (the engine, and under ZeRO-3 the
 :class:`~scopedlite._strategies.lockstep.Nesting` its methods count in) is in slots of the
-face, which is ours, outside the ``__dict__`` it shares with the engine. Its ``forward`` is
-the engine's, with DeepSpeed's warnings filtered (ZeRO-3 gathers parameters inside it).
+face, which is ours; its own ``__dict__`` stays empty. A call of the face is a call of the
+engine, with DeepSpeed's warnings filtered (ZeRO-3 gathers parameters inside its forward).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class EngineView(UserModelView):
 
     # The engine object itself, the Nesting of ZeRO-3's methods (None: they gather on one
     # rank, or not at all), the strategy's checked backward and the optimizer's step (None:
-    # no optimizer): slots, outside the __dict__ the face shares with the engine.
+    # no optimizer): slots of the face (every other name is the engine's or the user's).
     __slots__ = ("_lite_engine", "_lite_face_backward", "_lite_face_nesting", "_lite_face_step")
 
     def __getattribute__(self, name: str) -> Any:
@@ -106,7 +108,7 @@ class EngineView(UserModelView):
         import deepspeed
 
         with (
-            self._lite_together(inner, "state_dict"),
+            self._lite_together(f"{type(inner).__name__}.state_dict"),
             deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=None),
         ):
             state = inner.state_dict(*args, **kwargs)
@@ -123,7 +125,7 @@ class EngineView(UserModelView):
 
             # Every rank loads the same values; rank 0's are scattered on exit.
             with (
-                self._lite_together(inner, "load_state_dict"),
+                self._lite_together(f"{type(inner).__name__}.load_state_dict"),
                 deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=0),
             ):
                 result = inner.load_state_dict(state_dict, strict=strict, assign=assign)
@@ -134,20 +136,24 @@ class EngineView(UserModelView):
             refresh()
         return result
 
-    def _lite_saving_method(self, inner: torch.nn.Module, name: str) -> Any:
+    def _lite_saving_method(self, method: Callable[..., Any], name: str) -> Any:
         """``save_pretrained`` under ZeRO-3: every rank calls it; the parameters are gathered
         one at a time and rank 0 writes the plain model's full weights."""
-        method = getattr(inner, name)
         if not _partitioned(self):
             return method
+        inner = self._lite_inner()
+        assert inner is not None
         return saving_method(
-            method, functools.partial(_gathered_state, inner), functools.partial(self._lite_together, inner, name)
+            method, functools.partial(_gathered_state, inner), functools.partial(self._lite_together, name)
         )
 
-    def _lite_together(self, inner: torch.nn.Module, name: str) -> contextlib.AbstractContextManager[None]:
-        """Every rank gathers with this one, or it is refused (``lockstep.gathering_together``)."""
+    def _lite_together(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Every rank gathers with this one, or it is refused (``lockstep.gathering_together``);
+        ``name`` as errors call it (``"GPT.state_dict"``)."""
         nesting = object.__getattribute__(self, "_lite_face_nesting")
-        return gathering_together(nesting, inner, f"{type(inner).__name__}.{name}")
+        inner = self._lite_inner()
+        assert inner is not None
+        return gathering_together(nesting, inner, name)
 
     def _lite_inner(self) -> torch.nn.Module | None:
         return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")
@@ -155,8 +161,8 @@ class EngineView(UserModelView):
     def _lite_nesting(self) -> Nesting | None:
         return object.__getattribute__(self, "_lite_face_nesting")  # type: ignore[no-any-return]
 
-    # DeepSpeed's own model.backward and model.step are properties: data descriptors, found
-    # before an attribute of the shared __dict__ (lite.join announces the engine's calls there)
+    # DeepSpeed's own model.backward and model.step are the face's: the checked ones below
+    # (lite.join wraps the engine's own for its block, which these reach)
     @property
     def backward(self) -> Callable[..., Any]:
         """DeepSpeed's own ``model.backward(loss)`` runs as ``lite.backward(loss)`` does, with
@@ -171,13 +177,11 @@ class EngineView(UserModelView):
         step = object.__getattribute__(self, "_lite_face_step")
         return step if step is not None else object.__getattribute__(self, "_lite_engine").step
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The engine's class's forward, quiet: ZeRO-3 gathers parameters inside it. (A
-        forward set on the instance for a while, as ``lite.join`` sets one, lands in the
-        shared ``__dict__`` and is found before this method; it may call this one.)"""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """A call of the engine, quiet: ZeRO-3 gathers parameters inside its forward."""
         engine = object.__getattribute__(self, "_lite_engine")
         with filtered_warnings():
-            return type(engine).forward(engine, *args, **kwargs)
+            return engine(*args, **kwargs)
 
     @property
     def lite_always_through_forward(self) -> bool:  # type: ignore[override]
@@ -242,16 +246,16 @@ def user_facing(
 ) -> Any:
     """The object ``lite.setup`` returns for ``engine`` (see the module docstring).
 
-    It is an instance of a subclass of the engine's class with :class:`EngineView` mixed in,
-    sharing the engine's ``__dict__``: every hook and attribute is the engine's, so DeepSpeed
-    and ``isinstance(model, DeepSpeedEngine)`` see no difference, but it is a different
-    object, held only by the user. ``backward(loss, face)``: the strategy's checked backward,
-    which ``model.backward(loss)`` runs; ``step``: what ``model.step()`` runs (the set-up
-    optimizer's step; None: the engine's). ``nesting``: where the user's methods are counted
-    when they gather over several ranks (ZeRO-3).
+    It is an instance of a subclass of the engine's class with :class:`EngineView` mixed in
+    that answers every name from the engine (or the user's module): every hook and attribute
+    is the engine's, so DeepSpeed and ``isinstance(model, DeepSpeedEngine)`` see no
+    difference, but it is a different object, held only by the user. ``backward(loss,
+    face)``: the strategy's checked backward, which ``model.backward(loss)`` runs;
+    ``step``: what ``model.step()`` runs (the set-up optimizer's step; None: the engine's).
+    ``nesting``: where the user's methods are counted when they gather over several ranks
+    (ZeRO-3).
     """
     face = object.__new__(view_class(type(engine), EngineView, "SetUpDeepSpeedEngine"))
-    object.__setattr__(face, "__dict__", engine.__dict__)
     object.__setattr__(face, "_lite_engine", engine)
     object.__setattr__(face, "_lite_face_backward", backward)
     object.__setattr__(face, "_lite_face_step", step)

@@ -54,8 +54,9 @@ class DeepSpeedJoinHook(JoinHook):
     def install(self, session: JoinSession) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for index, engine in enumerate(self.models):
-            # the face's forward (quiet); the engine's own backward and step (the face's run
-            # the strategy's checked backward and the optimizer's step, which call these)
+            # the engine's own forward, backward and step, wrapped on the engine for the block
+            # (the face's backward and step run the strategy's checked backward and the
+            # optimizer's step, which call these; a call of the face calls the engine)
             own = self.strategy.engine(engine)
             forward, backward, step = engine.forward, own.backward, own.step
 
@@ -72,9 +73,9 @@ class DeepSpeedJoinHook(JoinHook):
                 session.before_step(index)
                 return step(*args, **kwargs)
 
-            wrap_method(stack, engine, "forward", announced_forward)
-            wrap_method(stack, engine, "backward", scaled_backward)
-            wrap_method(stack, engine, "step", announced_step)
+            wrap_method(stack, own, "forward", announced_forward)
+            wrap_method(stack, own, "backward", scaled_backward)
+            wrap_method(stack, own, "step", announced_step)
         return stack
 
     def module(self, index: int) -> torch.nn.Module:

@@ -288,12 +288,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 dist_init_required=False,
             )
         if self.half_dtype is not None:
-            engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True)
+            self._hook(engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True))
         nesting = None
         if self._ledger is not None and self._ledger.gathers:  # ZeRO-3's methods gather: every rank must call them
             nesting = Nesting(self._ledger, engine.module)
-            engine.register_forward_pre_hook(nesting.enter, prepend=True)
-            engine.register_forward_hook(nesting.leave, always_call=True)
+            self._hook(engine.register_forward_pre_hook(nesting.enter, prepend=True))
+            self._hook(engine.register_forward_hook(nesting.leave, always_call=True))
         # optimizer.step() and DeepSpeed's own model.step() take the engine's step
         step = None
         if optimizer is not None:
@@ -312,8 +312,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             counts.start()
             # at stages 0-2 the ledger notes the training forwards counted (ZeRO-3's hook above)
             noted = self._note_forward if self._ledger is not None and not self._ledger.gathers else None
-            engine.register_forward_pre_hook(lambda *_: counts.forward(place, noted))
+            self._hook(engine.register_forward_pre_hook(lambda *_: counts.forward(place, noted)))
         return model, [] if optimizer is None else [optimizer]
+
+    def _hook(self, handle: Any) -> None:
+        """A hook of ours on an engine, removed when the run ends (if the engine outlives it)."""
+        self.set_up.at_end(handle.remove)
 
     def _before_step(self, engine: Any, noted: Callable[[], None] | None) -> Callable[[], None]:
         """What runs just before each step of ``engine`` that the user's ``optimizer.step()``

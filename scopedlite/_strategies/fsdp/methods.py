@@ -34,46 +34,74 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from scopedlite._private.torch_internals import fsdp_cast_forward_inputs, fsdp_post_forward, fsdp_pre_forward
+from scopedlite._private.torch_internals import (
+    fsdp_cast_forward_inputs,
+    fsdp_post_forward,
+    fsdp_pre_forward,
+    fsdp_subclass_namespace,
+)
 from scopedlite._strategies.join.members import in_join, refuse_gather_in_join
 from scopedlite._strategies.lockstep import GatherLedger, Nesting, gathering_together
-from scopedlite._strategies.user_model import SAVING_METHODS, saving_method, share_tied, user_method_names
+from scopedlite._strategies.set_up import SetUpObjects
+from scopedlite._strategies.user_model import (
+    own_class_view,
+    present_as_user_model,
+    saving_method,
+    share_tied,
+)
 
-__all__ = ["count_depth", "gather_for_user_methods"]
+__all__ = ["GatheringView", "count_depth", "gather_for_user_methods"]
 
 
-def gather_for_user_methods(
-    root: torch.nn.Module, user_class: type[torch.nn.Module], ledger: GatherLedger | None
-) -> None:
+def gather_for_user_methods(root: torch.nn.Module, ledger: GatherLedger | None, set_up: SetUpObjects) -> None:
     """Make the methods the user's classes define gather when they need to, on the sharded
-    ``root`` (of ``user_class``) and on each submodule that is its own FSDP unit; the root's
-    outermost forwards are noted in ``ledger`` (None: one rank, nothing to check).
+    ``root`` and on each submodule that is its own FSDP unit; the root's
+    outermost forwards are noted in ``ledger`` (None: one rank, nothing to check). Each such
+    module is presented as the user's model (``user_model.present_as_user_model``: its class
+    becomes one with :class:`GatheringView` mixed in) until the run ends (``set_up``).
 
     Methods of a submodule that is not its own FSDP unit are not covered when called from
     outside (``model.encoder.encode(x)``): call them from a method of the model, or make the
     submodule a unit (``auto_wrap_policy``)."""
     from torch.distributed.fsdp import FSDPModule  # lazy: ~0.9 s to import
 
-    nestings = {id(root): count_depth(root, Nesting(ledger))}
+    nestings = {id(root): count_depth(root, Nesting(ledger), set_up)}
     units = [sub for sub in root.modules() if sub is not root and isinstance(sub, FSDPModule)]
     for unit in units:
-        nestings[id(unit)] = count_depth(unit, Nesting(None))
-    for unit in units:
-        # type(unit) is FSDP's subclass of the user's class: its own methods are skipped
-        _Gathering(unit, root, nestings).install(type(unit), ledger)
-    _Gathering(root, root, nestings).install(user_class, ledger)
-    for name in SAVING_METHODS:
-        method = getattr(root, name, None)
-        if callable(method):
-            root.__dict__[name] = saving_method(
-                _as_gathered(method, nestings[id(root)]),
-                functools.partial(_full_state, root),
-                functools.partial(gathering_together, nestings[id(root)], root, f"{user_class.__name__}.{name}"),
-            )
+        nestings[id(unit)] = count_depth(unit, Nesting(None), set_up)
+    for module in (*units, root):
+        gathering = _Gathering(module, root, nestings, ledger)
+        # the view's class and GatheringView come before FSDP's class in the MRO
+        state = {"_lite_gathering": gathering, **fsdp_subclass_namespace(type(module), mixins=2)}
+        view = own_class_view(type(module), GatheringView, **state)
+        present_as_user_model(module, view, set_up)
+
+
+class GatheringView(torch.nn.Module):
+    """Mixed in before FSDP's class of a sharded module, which *is* the user's module (its
+    attributes and state dict are the user's already): its hooks answer the user's methods
+    (``user_model.own_class_view``). The class made for one module holds that module's
+    :class:`_Gathering`; nothing is written into the instance."""
+
+    _lite_gathering: ClassVar[_Gathering]
+
+    def _lite_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        gathering = type(self)._lite_gathering
+        return gathering.method(method, name) if gathering.module is self else method
+
+    def _lite_saving_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        gathering = type(self)._lite_gathering
+        if gathering.module is not self or self is not gathering.root:
+            return method
+        return saving_method(
+            _as_gathered(method, gathering.nesting),
+            functools.partial(_full_state, self),
+            functools.partial(gathering_together, gathering.nesting, self, name),
+        )
 
 
 def _as_gathered(method: Callable[..., Any], nesting: Nesting) -> Callable[..., Any]:
@@ -98,30 +126,34 @@ def _full_state(module: torch.nn.Module) -> dict[str, Any]:
     return share_tied(module, state) if state else state
 
 
-def count_depth(module: torch.nn.Module, nesting: Nesting) -> Nesting:
+def count_depth(module: torch.nn.Module, nesting: Nesting, set_up: SetUpObjects) -> Nesting:
+    """Count ``module``'s forwards in ``nesting`` until the run ends."""
     # prepend: counted (and noted in the ledger) before FSDP's own pre-forward hook gathers,
     # and a failing gather still leaves through the always_call post hook that uncounts it.
-    module.register_forward_pre_hook(nesting.enter, prepend=True)
-    module.register_forward_hook(nesting.leave, always_call=True)
+    set_up.at_end(module.register_forward_pre_hook(nesting.enter, prepend=True).remove)
+    set_up.at_end(module.register_forward_hook(nesting.leave, always_call=True).remove)
     return nesting
 
 
 class _Gathering:
     """One sharded module (the root or a unit): its user methods' lazy gathering."""
 
-    def __init__(self, module: torch.nn.Module, root: torch.nn.Module, nestings: dict[int, Nesting]) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        root: torch.nn.Module,
+        nestings: dict[int, Nesting],
+        ledger: GatherLedger | None,
+    ) -> None:
         self.module = module
         self.root = root
         self.nestings = nestings  # of the root and each unit, by id
         self.nesting = nestings[id(module)]
         self.root_nesting = nestings[id(root)]
+        self.ledger = ledger
+        # parameters of the module's own (not in a submodule) a method can use without a module
+        self.eager = any(True for _ in module.parameters(recurse=False))
         self._owners: dict[int, torch.nn.Module] | None = None
-
-    def install(self, user_class: type[torch.nn.Module], ledger: GatherLedger | None) -> None:
-        for name in user_method_names(user_class):
-            self.module.__dict__[name] = self.method(
-                getattr(self.module, name), f"{user_class.__name__}.{name}", ledger
-            )
 
     @property
     def owners(self) -> dict[int, torch.nn.Module]:
@@ -140,9 +172,7 @@ class _Gathering:
             self._owners = owners
         return self._owners
 
-    def method(self, plain: Callable[..., Any], name: str, ledger: GatherLedger | None) -> Callable[..., Any]:
-        eager = any(True for _ in self.module.parameters(recurse=False))
-
+    def method(self, plain: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(plain)
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.nesting.depth:
@@ -150,9 +180,9 @@ class _Gathering:
             args, kwargs = fsdp_cast_forward_inputs(self.module, args, kwargs)
             # A unit's method called inside the root's forward (or one of its methods) is part
             # of that step, which every rank takes: only an outermost call is checked.
-            lazy = _LazyGather(self, name, ledger, outermost=self.root_nesting.depth == 0)
+            lazy = _LazyGather(self, name, self.ledger, outermost=self.root_nesting.depth == 0)
             with self.nesting.method(), lazy.watching():
-                if eager:
+                if self.eager:
                     lazy.gather_own()
                 out = plain(*args, **kwargs)
             return lazy.finish(out)

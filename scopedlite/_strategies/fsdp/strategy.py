@@ -274,7 +274,6 @@ class FSDPStrategy(ProcessGroupStrategy):
             module = self.placement.precision.convert_module(module.to(self.placement.device))
             self._broadcast_from_rank_zero(module)
         before = dict(module.named_parameters(remove_duplicate=False))
-        user_class = type(module)
         module = self._shard(module)
 
         if replay is not None:
@@ -285,9 +284,9 @@ class FSDPStrategy(ProcessGroupStrategy):
         # replay, whose twins copy the module's attributes. A user's plan (model_parallel) may
         # leave the root as it is.
         if isinstance(module, FSDPModule):
-            gather_for_user_methods(module, user_class, self._ledger)
+            gather_for_user_methods(module, self._ledger, self.set_up)
         elif self._ledger is not None:  # its forwards still gather (tensor-parallel collectives)
-            count_depth(module, Nesting(self._ledger))
+            count_depth(module, Nesting(self._ledger), self.set_up)
         if not self._numbers_whole and not in_join():
             # a number read from a sharded value is its whole value, and a collective the
             # user's code starts on DTensors is made by every rank, or refused
