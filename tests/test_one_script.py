@@ -251,7 +251,7 @@ def test_the_user_methods_are_the_ones_the_users_classes_define():
 
 @pytest.mark.timeout(120)
 def test_a_method_of_an_fsdp_unit_gathers_and_trains_as_one_process(script):
-    from unit_methods import Net, rank_batch, step_loss
+    from unit_methods import Net, Stack, rank_batch, step_loss
 
     result = script("unit_methods", "fsdp", timeout=100)
     assert result.returncode == 0, result.explain()
@@ -266,7 +266,17 @@ def test_a_method_of_an_fsdp_unit_gathers_and_trains_as_one_process(script):
         opt.zero_grad()
     with torch.no_grad():
         expected = torch.cat([net.block.attend(x) for x in xs]).flatten().tolist()
-    assert_close(result.json()["outputs"], expected, 1e-6, "the method's outputs after training")
+    out = result.json()
+    assert_close(out["outputs"], expected, 1e-6, "the method's outputs after training")
+    # FSDP2's class names (its classes with our view mixed in), the user's classes kept; a
+    # container indexed into builds the user's class, as under FSDP2 alone
+    assert out["classes"] == ["FSDPNet", True, "FSDPBlock", True]
+    assert out["sliced"] == ["Stack", 1], "stack[:1]: its class, and how many times its __init__ ran"
+    torch.manual_seed(1)
+    stack = Stack(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        expected_first = torch.cat([stack.first(x) for x in xs]).flatten().tolist()
+    assert_close(out["first"], expected_first, 1e-6, "a method of a set-up Sequential")
 
 
 def _check_joint_grads(got, expected, strategy):

@@ -313,7 +313,9 @@ def fsdp_subclass_namespace(fsdp_class: type, mixins: int) -> dict[str, Any]:
     a container is indexed into: ``Sequential[1:]``) still finds that class in its MRO.
 
     Why private: ``__new__`` reads the original class at ``_orig_cls_mro_index`` in the MRO,
-    which every class mixed in before FSDP's shifts; there is no public way to say so. Checked
+    which every class mixed in before FSDP's shifts (unshifted it finds FSDP's class, whose
+    ``__new__`` builds the original: its ``__init__`` runs twice); there is no public way to
+    say so. Checked
     against torch 2.13 and 2.9 (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``).
     """
     index = getattr(fsdp_class, "_orig_cls_mro_index", None)

@@ -15,7 +15,7 @@ class. Nothing is written into the instance, and ``isinstance`` against the back
 - the user's own methods (:func:`user_method_names`), through the view's one hook,
   ``_lite_method(method, name)``, handed the plain bound method - ``save_pretrained`` through
   ``_lite_saving_method``. Each backend's hook does what its forward would have done:
-  DeepSpeed (this module's default) runs the method inside the engine's forward, always under
+  DeepSpeed (deepspeed/methods.py) runs the method inside the engine's forward, always under
   ZeRO-3 (parameters gathered) and otherwise when gradients are on; DDP
   (``SetUpDDP``, ddp/model.py) calls it plainly and prepares DDP's reducer only if
   its result is back-propagated; FSDP (fsdp/methods.py) gathers the parameters when the
@@ -36,19 +36,14 @@ inside ``lite.join`` it is refused (join/members.py).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from scopedlite._private.torch_internals import has_registered, registered_submodule
-from scopedlite._strategies.join.members import in_join, refuse_backward_in_join, refuse_gather_in_join
-from scopedlite._strategies.lockstep import Nesting, every_rank_calls
-from scopedlite._strategies.method_results import on_backward
 from scopedlite._strategies.set_up import SetUpObjects
 
 __all__ = [
@@ -125,25 +120,8 @@ def user_owns(inner: torch.nn.Module, name: str) -> bool:
 
 class UserModelView(torch.nn.Module):
     """Mixed in before a wrapper class (see the module docstring); never instantiated alone.
-
-    Nothing is stored on the wrapper's instance: what differs between wrappers is answered by
-    the view's class (:attr:`lite_always_through_forward`, :meth:`_lite_nesting`).
-
-    Attributes:
-        lite_always_through_forward: Run the user's methods through the wrapper's forward
-            even with gradients disabled (ZeRO-3: parameters must be gathered for any use).
-            Otherwise they go through forward only when gradients are enabled (DeepSpeed
-            stages 1-2; ``SetUpDDP`` (ddp/model.py) routes them its own way).
-    """
-
-    lite_always_through_forward: ClassVar[bool] = False
-
-    def _lite_nesting(self) -> Nesting | None:
-        """Where methods gather over several ranks (ZeRO-3): the model's
-        :class:`~scopedlite._strategies.lockstep.Nesting`, whose ledger checks that every rank
-        calls the method before it gathers; None elsewhere. Inside ``lite.join`` a method that
-        would gather is refused, and one whose result is back-propagated too (join/members.py)."""
-        return None
+    Nothing is stored on the wrapper's instance; each backend's subclass defines its hook,
+    :meth:`_lite_method` (``SetUpDDP`` in ddp/model.py, ``EngineView`` in deepspeed/engines.py)."""
 
     def _lite_inner(self) -> torch.nn.Module | None:
         # Read from __dict__: during unpickling or copying the attribute may not exist yet, and
@@ -179,9 +157,9 @@ class UserModelView(torch.nn.Module):
 
     def _lite_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
         """The backend's hook: ``method`` (one of the user's own, bound to the user's module;
-        ``name`` as errors call it, ``"GPT.generate"``) as the set-up model answers it. Here:
-        through the wrapper's forward where gradients are on or parameters are sharded."""
-        return _through_forward(self, self._lite_inner(), method, name)  # type: ignore[arg-type]
+        ``name`` as errors call it, ``"GPT.generate"``) as the set-up model answers it. Here a
+        plain call, for a wrapper whose forward prepares nothing a method needs."""
+        return method
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self._lite_inner()
@@ -210,83 +188,6 @@ class UserModelView(torch.nn.Module):
 @functools.cache
 def _methods_of(cls: type[torch.nn.Module]) -> frozenset[str]:
     return frozenset(user_method_names(cls))
-
-
-def _through_forward(
-    wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], qualified: str
-) -> Callable[..., Any]:
-    """``method`` (``inner``'s) as a callable that runs inside ``wrapper``'s forward when needed."""
-
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if in_join(inner):  # ranks out of data replay forwards: a method is not one (join/members.py)
-            if wrapper.lite_always_through_forward:
-                refuse_gather_in_join(qualified)
-            return on_backward(method(*args, **kwargs), functools.partial(refuse_backward_in_join, qualified))
-        if not (wrapper.lite_always_through_forward or torch.is_grad_enabled()):
-            return method(*args, **kwargs)
-        with every_rank_calls(wrapper._lite_nesting(), qualified):  # ZeRO-3 over several ranks
-            return _run_through_forward(wrapper, inner, method, args, kwargs)
-
-    return call
-
-
-def _not_traced(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A compiled wrapper (``torch.compile``) traces its forward: not the user's method run in
-    its place. (Nothing is compiled while torch's compiler was never imported.)"""
-    return torch.compiler.disable(method) if "torch._dynamo" in sys.modules else method
-
-
-# Set while one of the user's methods runs inside the wrapper's forward: a backend that counts
-# the user's training forwards (deepspeed/counted.py) does not count that call.
-_METHOD_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("scopedlite_method_running", default=False)
-
-
-def method_running() -> bool:
-    """Whether the wrapper's forward under way runs one of the user's methods, not forward."""
-    return _METHOD_RUNNING.get()
-
-
-def _run_through_forward(
-    wrapper: UserModelView, inner: torch.nn.Module, method: Callable[..., Any], args: Any, kwargs: Any
-) -> Any:
-    """Call ``method`` inside ``wrapper``'s forward (``inner.forward`` points at it meanwhile)."""
-    had_own_forward = "forward" in inner.__dict__
-    own_forward = inner.__dict__.get("forward")
-
-    def redirected(*a: Any, **k: Any) -> Any:
-        _restore_forward(inner, had_own_forward, own_forward)  # the method may call forward
-        out = method(*a, **k)
-        # Wrappers' post-forward hooks look into outputs; a plain str or float has no
-        # attributes to look into (ZeRO-3 calls vars() on it), so it travels boxed.
-        return (
-            out
-            if out is None or isinstance(out, (torch.Tensor, list, tuple, dict)) or hasattr(out, "__dict__")
-            else _Boxed(out)
-        )
-
-    inner.forward = _not_traced(redirected)  # type: ignore[method-assign]
-    token = _METHOD_RUNNING.set(True)
-    try:
-        out = wrapper(*args, **kwargs)
-    finally:
-        _METHOD_RUNNING.reset(token)
-        _restore_forward(inner, had_own_forward, own_forward)
-    return out.value if isinstance(out, _Boxed) else out
-
-
-class _Boxed:
-    """A method's result that is neither a tensor nor a container, through a wrapper's forward."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _restore_forward(inner: torch.nn.Module, had_own: bool, own: Any) -> None:
-    if had_own:
-        inner.forward = own  # type: ignore[method-assign]
-    else:
-        inner.__dict__.pop("forward", None)
 
 
 class UserMethod:

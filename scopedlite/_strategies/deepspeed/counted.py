@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scopedlite._strategies.deepspeed.methods import method_running
 from scopedlite._strategies.skipped_step import different_forwards, different_models, ranges, spread
 from scopedlite._strategies.stepped import SteppedOptimizers, different_settings
-from scopedlite._strategies.user_model import method_running
 
 __all__ = ["BackwardCounts"]
 

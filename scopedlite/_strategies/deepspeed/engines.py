@@ -48,6 +48,7 @@ from scopedlite._private.deepspeed_internals import forget_forward_stack, is_zer
 from scopedlite._private.torch_internals import registered_submodule
 from scopedlite._strategies.deepspeed.crossing import leaves_reached, refuse_crossing
 from scopedlite._strategies.deepspeed.logs import filtered_warnings
+from scopedlite._strategies.deepspeed.methods import through_forward
 from scopedlite._strategies.lockstep import Nesting, gathering_together
 from scopedlite._strategies.set_up import SetUpObjects
 from scopedlite._strategies.user_model import UserModelView, saving_method, user_owns, view_class
@@ -158,9 +159,6 @@ class EngineView(UserModelView):
     def _lite_inner(self) -> torch.nn.Module | None:
         return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")
 
-    def _lite_nesting(self) -> Nesting | None:
-        return object.__getattribute__(self, "_lite_face_nesting")  # type: ignore[no-any-return]
-
     # DeepSpeed's own model.backward and model.step are the face's: the checked ones below
     # (lite.join wraps the engine's own for its block, which these reach)
     @property
@@ -183,11 +181,12 @@ class EngineView(UserModelView):
         with filtered_warnings():
             return engine(*args, **kwargs)
 
-    @property
-    def lite_always_through_forward(self) -> bool:  # type: ignore[override]
-        """Under ZeRO-3 parameters are gathered in forward only: the user's methods always go
-        through it."""
-        return _partitioned(self)
+    def _lite_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """The user's method, through the engine's forward where it needs to be (methods.py)."""
+        inner = self._lite_inner()
+        assert inner is not None
+        nesting = object.__getattribute__(self, "_lite_face_nesting")
+        return through_forward(self, inner, method, name, nesting, _partitioned(self))
 
 
 _FACE_NAMES = frozenset(
