@@ -29,11 +29,13 @@ backstop); a wrong *waiting* would end a healthy run, so every doubt counts as p
 
 from __future__ import annotations
 
+import faulthandler
+import linecache
 import os
-import sys
+import re
+import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from types import FrameType
 from typing import Callable
@@ -141,7 +143,7 @@ def _is_wait(path: str) -> bool:
     return path.endswith(_WAIT_FILES) or any(folder in path for folder in _WAIT_FOLDERS)
 
 
-def look_at(frame: FrameType | None) -> Look:
+def look_at(frame: FrameType | SeenFrame | None) -> Look:
     """Classify a thread's innermost ``frame`` (see the module docstring)."""
     while frame is not None and any(p in _normal(frame.f_code.co_filename) for p in _PASSING):
         frame = frame.f_back
@@ -157,7 +159,7 @@ def look_at(frame: FrameType | None) -> Look:
         return Look(None, place)
     # or the collective itself: all_reduce, barrier, ...
     waits_in = in_cpp or (LEDGER_WAIT if poll is not None else frame.f_code.co_name)
-    caller: FrameType | None = frame
+    caller: FrameType | SeenFrame | None = frame
     while caller is not None and _is_wait(caller.f_code.co_filename):
         if caller.f_code.co_name in _BLOCK_END:
             waits_in = "the end of the launch block"
@@ -178,7 +180,7 @@ def look_at(frame: FrameType | None) -> Look:
     return Look(waits_in, place, idle_only=bool(in_cpp))
 
 
-def _ledger_poll(frame: FrameType) -> FrameType | None:
+def _ledger_poll(frame: FrameType | SeenFrame) -> FrameType | SeenFrame | None:
     """The gather ledger's polling frame, where ``frame`` is it or its read of the store."""
     if not _normal(frame.f_code.co_filename).endswith(_LEDGER):
         return None
@@ -187,7 +189,7 @@ def _ledger_poll(frame: FrameType) -> FrameType | None:
     return frame if frame.f_code.co_name == _LEDGER_POLL else None
 
 
-def _in_cpp(frame: FrameType) -> str | None:
+def _in_cpp(frame: FrameType | SeenFrame) -> str | None:
     """What torch may wait in, in C++, below ``frame`` (see ``_IN_CPP``), or None."""
     path = _normal(frame.f_code.co_filename)
     for ending, function, what in _IN_CPP:
@@ -196,29 +198,77 @@ def _in_cpp(frame: FrameType) -> str | None:
     return None
 
 
-# A look at the main thread (sys._current_frames) holds CPython's thread-list lock, and a
-# finalizer run by a collection in the middle of it may let another thread take the GIL. A
-# fork at that moment (a DataLoader worker) would copy the lock held, and the child would
-# hang in its first thread-state clean-up (CPython 3.11). The fork waits for the look instead.
+# A look at the main thread holds CPython's thread-list lock, and a finalizer run by a
+# collection in the middle of it may let another thread take the GIL. A fork at that moment (a
+# DataLoader worker) would copy the lock held, and the child would hang in its first
+# thread-state clean-up (CPython 3.11). The fork waits for the look instead.
 _looking = threading.Lock()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_looking.acquire, after_in_parent=_looking.release, after_in_child=_looking.release)
 
 
-def frame_of(thread: int) -> FrameType | None:
+@dataclass(frozen=True)
+class SeenCode:
+    """What :func:`frame_of` tells of a frame's code (the names of a code object's fields)."""
+
+    co_filename: str
+    co_name: str
+    co_firstlineno: int = 0  # not told: a place is its file and function
+
+
+@dataclass(frozen=True)
+class SeenFrame:
+    """One frame of another thread's stack, copied (the names of a frame object's fields)."""
+
+    f_code: SeenCode
+    f_lineno: int
+    f_back: SeenFrame | None
+
+
+_HEADER = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) ")
+_FRAME = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')
+
+
+def frame_of(thread: int) -> SeenFrame | None:
     """The innermost Python frame of ``thread`` (an ident), seen from another thread.
 
-    ``sys._current_frames`` is CPython's documented way to see another thread's stack
-    (faulthandler's Python twin); the thread never stops for it.
+    Copied from faulthandler's dump of every thread, which reads the stacks in C while this
+    thread holds the GIL, so no other thread moves meanwhile. Frame objects from
+    ``sys._current_frames()``, walked in Python, can be preempted half-way: the other thread
+    then pops frames under the walk, and on CPython 3.11 the walk read a freed frame and the
+    process died of a segmentation fault (seen once in CI, torch 2.9, the watched thread
+    entering a gloo broadcast). The dump stops at 100 frames (the outermost ones are left out).
     """
-    with _looking:
-        return sys._current_frames().get(thread)
+    with _looking, tempfile.TemporaryFile() as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        text = out.read().decode("utf-8", errors="replace")
+    frames: list[tuple[str, int, str]] | None = None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header is not None:
+            if frames is not None:
+                break
+            frames = [] if int(header.group(1), 16) == thread else None
+        elif frames is not None and (found := _FRAME.match(line)) is not None:
+            number = found.group(2)
+            frames.append((found.group(1), int(number) if number.isdigit() else 0, found.group(3)))
+    seen: SeenFrame | None = None
+    for filename, lineno, name in reversed(frames or []):  # outermost first
+        seen = SeenFrame(SeenCode(filename, name), lineno, seen)
+    return seen
 
 
 def format_stack_of(thread: int) -> str:
     """``thread``'s Python stack, innermost last, as a traceback shows it."""
     frame = frame_of(thread)
-    return "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(no Python stack)"
+    lines: list[str] = []
+    while frame is not None:
+        source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        entry = f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}'
+        lines.append(f"{entry}\n    {source}" if source else entry)
+        frame = frame.f_back
+    return "\n".join(reversed(lines)) if lines else "(no Python stack)"
 
 
 class Progress:
