@@ -138,3 +138,58 @@ def test_a_killed_rank_is_the_cause_even_when_its_peer_is_reaped_first(tmp_path)
     finally:
         dying.kill()
         dying.wait()
+
+
+@pytest.mark.parametrize("kind", ["popen", "forked"])
+def test_a_worker_dying_between_look_and_reap_still_has_its_group_ended(tmp_path, monkeypatch, kind):
+    """A worker's children (DataLoader workers) die with it: the supervisor kills its process
+    group before reaping it. A worker dying just after the supervisor looked (alive) and before
+    it reaped must not be reaped with its group left running (CI once found a DataLoader worker
+    still running after the run). Real processes: the worker leads its own group and has a child
+    that would sleep a minute; it is SIGKILLed right after the supervisor's first look."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from scopedlite._launch.supervise import ForkedWorker, PopenWorker
+
+    child = (
+        "import subprocess, sys, time\n"
+        "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']).pid, flush=True)\n"
+        "time.sleep(60)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, start_new_session=True)
+    grandchild = int(process.stdout.readline())
+    worker = PopenWorker(1, process) if kind == "popen" else ForkedWorker(1, process.pid)
+    real_waitid = os.waitid
+
+    def dies_right_after_the_look(*args):
+        looked = real_waitid(*args)
+        if looked is None and not died:
+            os.kill(process.pid, signal.SIGKILL)
+            while psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.001)
+            died.append(True)
+        return looked
+
+    died: list[bool] = []
+    monkeypatch.setattr(os, "waitid", dies_right_after_the_look)
+    try:
+        deadline = time.monotonic() + 5
+        while worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert died and worker.poll() == -signal.SIGKILL
+        deadline = time.monotonic() + 2
+        while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the dead worker's child is still running"
+            time.sleep(0.01)
+    finally:
+        for pid in (grandchild, process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if kind == "popen":
+            process.wait()

@@ -129,25 +129,30 @@ class WorkerProcess(Protocol):
     def poll(self) -> int | None: ...
 
 
-def _end_group_of_exited(pid: int) -> None:
-    """If worker ``pid`` has exited, kill what is left of its process group, before reaping.
+def _exited_and_group_ended(pid: int) -> bool:
+    """Whether worker ``pid`` has exited; if it has, first kill what is left of its process group.
 
     A worker leads its own process group; its children (DataLoader workers) stay in it and
     keep its sockets open, so its peers would only notice it is gone when those children give
     up (about 5 s for a DataLoader). Looking without reaping (``WNOWAIT``) keeps the pid, and
-    so the group id, from being reused by an unrelated process while we signal it.
+    so the group id, from being reused by an unrelated process while we signal it. A caller
+    reaps only after True: a worker that dies between this look and a reap would otherwise be
+    reaped with its group left running (CI once found a DataLoader worker alive after the run).
+    Where ``waitid`` is missing (not Linux), or the pid is no child of ours, this says True and
+    ends nothing.
     """
     if not hasattr(os, "waitid"):
-        return
+        return True
     try:
         if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-            return
+            return False
     except ChildProcessError:
-        return
+        return True
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    return True
 
 
 class PopenWorker:
@@ -155,8 +160,8 @@ class PopenWorker:
         self.rank, self.process, self.pid = rank, process, process.pid
 
     def poll(self) -> int | None:
-        if self.process.returncode is None:
-            _end_group_of_exited(self.pid)
+        if self.process.returncode is None and not _exited_and_group_ended(self.pid):
+            return None
         return self.process.poll()
 
 
@@ -167,11 +172,12 @@ class ForkedWorker:
 
     def poll(self) -> int | None:
         if self._returncode is None:
-            _end_group_of_exited(self.pid)
+            if not _exited_and_group_ended(self.pid):
+                return None
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:
-                self._returncode = 0 if self._returncode is None else self._returncode
+                self._returncode = 0
                 return self._returncode
             if pid != 0:
                 self._returncode = os.waitstatus_to_exitcode(status)
