@@ -102,8 +102,7 @@ class EngineView(UserModelView):
         delattr(inner if inner is not None and user_owns(inner, name) else engine, name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        inner = self._lite_inner()
-        assert inner is not None
+        inner = self._lite_module()
         if not _partitioned(self) or kwargs.get("keep_vars"):
             return inner.state_dict(*args, **kwargs)
         import deepspeed
@@ -119,8 +118,7 @@ class EngineView(UserModelView):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        inner = self._lite_inner()
-        assert inner is not None
+        inner = self._lite_module()
         if _partitioned(self):
             import deepspeed
 
@@ -142,8 +140,7 @@ class EngineView(UserModelView):
         one at a time and rank 0 writes the plain model's full weights."""
         if not _partitioned(self):
             return method
-        inner = self._lite_inner()
-        assert inner is not None
+        inner = self._lite_module()
         return saving_method(
             method, functools.partial(_gathered_state, inner), functools.partial(self._lite_together, name)
         )
@@ -152,12 +149,17 @@ class EngineView(UserModelView):
         """Every rank gathers with this one, or it is refused (``lockstep.gathering_together``);
         ``name`` as errors call it (``"GPT.state_dict"``)."""
         nesting = object.__getattribute__(self, "_lite_face_nesting")
-        inner = self._lite_inner()
-        assert inner is not None
+        inner = self._lite_module()
         return gathering_together(nesting, inner, name)
 
     def _lite_inner(self) -> torch.nn.Module | None:
         return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")
+
+    def _lite_module(self) -> torch.nn.Module:
+        """The user's module inside the engine, which every built engine holds."""
+        inner = self._lite_inner()
+        assert inner is not None
+        return inner
 
     # DeepSpeed's own model.backward and model.step are the face's: the checked ones below
     # (lite.join wraps the engine's own for its block, which these reach)
@@ -183,8 +185,7 @@ class EngineView(UserModelView):
 
     def _lite_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
         """The user's method, through the engine's forward where it needs to be (methods.py)."""
-        inner = self._lite_inner()
-        assert inner is not None
+        inner = self._lite_module()
         nesting = object.__getattribute__(self, "_lite_face_nesting")
         return through_forward(self, inner, method, name, nesting, _partitioned(self))
 
