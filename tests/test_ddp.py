@@ -103,11 +103,12 @@ def test_lite_save_or_load_on_rank_zero_alone_is_refused_at_once(script):
     check_save_on_some_ranks(result.json())
 
 
-@pytest.mark.parametrize("asymmetry", ["scheduler", "step"])
+@pytest.mark.parametrize("asymmetry", ["scheduler", "step", "clip"])
 def test_a_scheduler_or_step_on_one_rank_is_refused_at_the_next_backward(script, asymmetry):
-    """`if rank == 0: scheduler.step()` (as after an evaluation on rank 0), or one more
-    `optimizer.step()` on rank 1: each rank would step its replica its own way and the replicas
-    would part without a word. The all-reduce that compares the forward counts carries a digest
+    """`if rank == 0: scheduler.step()` (as after an evaluation on rank 0), one more
+    `optimizer.step()` on rank 1, or `lite.clip_gradients` on rank 0 alone (each rank clips its
+    own replica's gradients: no collective to miss): each rank would step its replica its own
+    way and the replicas would part without a word. The all-reduce that compares the forward counts carries a digest
     of the optimizers that stepped since the last backward (how often, and their
     hyperparameters as they are now): the next backward raises on every rank, naming what its
     optimizer did and the fix; the next collective pairs. Before it, a correct script (a model

@@ -408,12 +408,14 @@ def test_a_backward_skipped_on_one_rank_is_refused_at_its_next_forward(script, s
 
 @pytest.mark.timeout(130)
 @pytest.mark.parametrize(
-    ("strategy", "asymmetry"), [("fsdp", "scheduler"), ("fsdp", "step"), ("model_parallel", "scheduler")]
+    ("strategy", "asymmetry"),
+    [("fsdp", "scheduler"), ("fsdp", "step"), ("fsdp", "clip"), ("model_parallel", "scheduler")],
 )
 def test_a_scheduler_or_step_on_one_rank_is_refused_at_the_next_backward(script, strategy, asymmetry):
-    """As under ddp (test_ddp.py): `if rank == 0: scheduler.step()`, or one more
-    `optimizer.step()` on rank 1, had each rank step its shard with its own rate (or once more)
-    and the model was no longer one model, without a word. lite.backward now posts the digest
+    """As under ddp (test_ddp.py): `if rank == 0: scheduler.step()`, one more
+    `optimizer.step()` on rank 1, or `lite.clip_gradients(clip_val=...)` on rank 0 alone (a
+    clamp of each rank's shard: no collective), had each rank step its shard with its own rate
+    (or once more, or clamped) and the model was no longer one model, without a word. lite.backward now posts the digest
     of the steps since the previous backward in one all-reduce and reads it after: the backward
     after the first differing step raises on every rank, naming what its optimizer did; the
     next collective pairs. The correct part before it (a dropped model rank 1 still holds, a

@@ -204,6 +204,9 @@ def clip_gradients(
     session = active_session(run) if run.world_size > 1 else None
     if run.strategy.clips_together(max_norm is not None) and session is None:
         every_rank_calls("lite.clip_gradients", _CLIPS_TOGETHER, _CLIP_FIX)
+    if session is None:
+        how = f"clip_val={float(clip_val)}" if clip_val is not None else f"max_norm={float(max_norm)}"  # type: ignore[arg-type]
+        run.strategy.note_clip(how if p == 2.0 else f"{how}, norm_type={p}")
     # Inside lite.join the session clips: under sharding, ranks that ran out of data clip too.
     target = session if session is not None else run.strategy
     return target.clip_gradients(module, optimizer, max_norm, clip_val, norm_type=p)

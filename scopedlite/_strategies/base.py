@@ -172,6 +172,13 @@ class Strategy(ABC):
         each rank clips the gradients it holds whole."""
         return False
 
+    def note_clip(self, how: str) -> None:  # noqa: B027 - only strategies that compare steps care
+        """``lite.clip_gradients`` (``how``: its arguments, ``"clip_val=0.5"``) is about to
+        clip outside ``lite.join``. Where the ranks compare their optimizers' steps at each
+        backward (stepped.py), the clip is digested with the next step: one made on some
+        ranks only, which runs no collective where each rank clips what it holds, is refused
+        at the next backward instead of parting the replicas without a word."""
+
     def clip_gradients(
         self,
         module: torch.nn.Module,

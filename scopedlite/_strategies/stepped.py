@@ -13,10 +13,13 @@ What is digested: each step an optimizer set up in the run took since the last c
 the optimizer's setup place and the numbers of its parameter groups the step used (``lr``,
 ``momentum``, ``betas``, ``weight_decay``, ...), read just before it (torch's public
 ``Optimizer.register_step_pre_hook``; under DeepSpeed the engine step that the user's
-``optimizer.step()`` runs). So the first step taken with a rate one rank changed alone is
-refused at the next backward, before a second one. Every rank of a correct program takes the
-same steps with the same numbers, and a ``lite.join`` block's joined ranks replay the others'
-steps, so the digests agree; an optimizer stepped on one rank only is refused too.
+``optimizer.step()`` runs), and the ``lite.clip_gradients`` calls made before it (where a
+rank clips the gradients it holds with no collective, a clip on rank 0 alone is otherwise
+unseen). So the first step taken with a rate one rank changed alone, or after a clip one
+rank made alone, is refused at the next backward, before a second one. Every rank of a
+correct program takes the same steps with the same numbers, and a ``lite.join`` block's
+joined ranks replay the others' steps, so the digests agree; an optimizer stepped on one
+rank only is refused too.
 
 Why not the numbers as they are at the comparison, which would refuse one step earlier: that
 needs the optimizers themselves at the comparison. Holding the ones that stepped until then
@@ -55,7 +58,8 @@ class SteppedOptimizers:
     def __init__(self) -> None:
         self._places = 0
         self._steps: dict[int, _Steps] = {}  # setup place -> its steps, until digested
-        self.last: list[tuple[int, int, list[float]]] = []  # the last digest's (place, steps, last rates)
+        self._clips: list[str] = []  # lite.clip_gradients calls since the last step ("clip_val=0.5")
+        self.last: list[tuple[int, int, list[float], list[str]]] = []  # the last digest's (place, steps, rates, clips)
 
     def noter(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Give ``optimizer`` the next place; returns what notes a step of it, called just
@@ -67,9 +71,17 @@ class SteppedOptimizers:
         def noted() -> None:
             stepping = held()
             if stepping is not None:
-                self._steps.setdefault(place, _Steps()).add(stepping.param_groups)
+                clips, self._clips = self._clips, []
+                self._steps.setdefault(place, _Steps()).add(stepping.param_groups, clips)
 
         return noted
+
+    def clipped(self, how: str) -> None:
+        """``lite.clip_gradients`` (``how``: its arguments, ``"max_norm=1.0"``) was called
+        outside ``lite.join``: digested with the next optimizer step. Where each rank clips
+        the gradients it holds (ddp; a clamp of values under fsdp) a clip made on some ranks
+        only runs no collective, and the ranks' steps would part without a word."""
+        self._clips.append(how)
 
     def watch(self, optimizer: torch.optim.Optimizer, set_up: SetUpObjects) -> None:
         """Note each step of ``optimizer`` (set up in the run of ``set_up``) until the run
@@ -85,29 +97,33 @@ class SteppedOptimizers:
         self.last = []
         for place, steps in sorted(self._steps.items(), key=lambda item: item[0]):
             total.update(array.array("q", [place, steps.count]).tobytes() + steps.used.digest())
-            self.last.append((place, steps.count, steps.rates))
+            self.last.append((place, steps.count, steps.rates, steps.clips))
         self._steps.clear()
+        self._clips.clear()
         return int.from_bytes(total.digest(), "little") >> 2
 
 
 class _Steps:
     """One optimizer's steps in an interval: how many, a running digest of the numbers each
-    used, and the learning rates of the latest (for the error)."""
+    used and of the clips before it, and the learning rates and clips of the latest (for the
+    error)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.used = hashlib.blake2b(digest_size=8)
         self.rates: list[float] = []
+        self.clips: list[str] = []
 
-    def add(self, groups: list[dict[str, Any]]) -> None:
+    def add(self, groups: list[dict[str, Any]], clips: list[str]) -> None:
         values: list[float] = [float(len(groups))]
         for group in groups:
             for key in sorted(group):
                 if key != "params":
                     _add_numbers(group[key], values)
         self.count += 1
-        self.used.update(array.array("d", values).tobytes())
+        self.used.update(array.array("d", values).tobytes() + "|".join(clips).encode() + b"\0")
         self.rates = [_rate(group.get("lr")) for group in groups]
+        self.clips = clips
 
 
 def _add_numbers(value: Any, into: list[float]) -> None:
@@ -133,16 +149,18 @@ def different_settings(stepped: SteppedOptimizers, harm: str) -> RuntimeError:
     rank's, from ``stepped.last``); ``harm``: what they did to the model."""
     mine = "; ".join(
         f"optimizer {place} (in setup order) stepped {count} time(s), the last at learning rates {rates}"
-        for place, count, rates in stepped.last
+        + (f", after lite.clip_gradients({'), lite.clip_gradients('.join(clips)})" if clips else "")
+        for place, count, rates, clips in stepped.last
     )
     return RuntimeError(
         "The ranks' optimizers stepped differently since the previous backward: a different "
-        "number of times, or with different hyperparameters (learning rates, momenta, ...). "
-        f"This rank: {mine or 'no optimizer stepped'}. So {harm}. An LR scheduler was stepped "
-        "on some ranks only (`if rank == 0: scheduler.step(val_loss)` after an evaluation on "
-        "rank 0), or with a value each rank computed for itself (its own loss), or a param "
-        "group was changed, or an optimizer stepped, on one rank only. Step every optimizer "
-        "and scheduler on every rank, with the same value: "
+        "number of times, with different hyperparameters (learning rates, momenta, ...), or "
+        f"with gradients clipped differently. This rank: {mine or 'no optimizer stepped'}. "
+        f"So {harm}. An LR scheduler was stepped on some ranks only (`if rank == 0: "
+        "scheduler.step(val_loss)` after an evaluation on rank 0), or with a value each rank "
+        "computed for itself (its own loss), or a param group was changed, an optimizer "
+        "stepped or lite.clip_gradients called, on one rank only. Step every optimizer and "
+        "scheduler, and clip, on every rank, with the same value: "
         '`scheduler.step(float(lite.all_reduce(val_loss, op="mean")))`, or '
         "`lite.broadcast(val_loss, src=0)` from the rank that evaluated; then start again from "
         "a checkpoint saved before this point."

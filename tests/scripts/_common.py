@@ -249,8 +249,8 @@ def check_skip_on_gathering(result):
 
 
 def check_scheduler_on_some_ranks(seen, asymmetry):
-    """scheduler_on_some_ranks.py's run (``asymmetry``: ``scheduler`` on rank 0 or ``step`` on
-    rank 1, either after ``step-alone,``): the correct part equals plain torch; then refused on
+    """scheduler_on_some_ranks.py's run (``asymmetry``: ``scheduler`` or ``clip`` on rank 0, or
+    ``step`` on rank 1, either after ``step-alone,``): the correct part equals plain torch; then refused on
     every rank, each naming what its own optimizer did. ``step-alone`` (DeepSpeed ZeRO): rank
     1's step with no backward since its last is refused at once, on rank 1 alone."""
     *first, asymmetry = asymmetry.split(",")
@@ -268,9 +268,12 @@ def check_scheduler_on_some_ranks(seen, asymmetry):
         error = out["error"]
         assert error is not None, f"rank {rank}: the backward after the asymmetry was not refused"
         assert "The ranks' optimizers stepped differently since the previous backward" in error, error
-        assert out["refused_at"] == (1 if asymmetry == "scheduler" else 0), out["refused_at"]
+        assert out["refused_at"] == (0 if asymmetry == "step" else 1), out["refused_at"]
         if asymmetry == "scheduler":
             assert f"stepped 1 time(s), the last at learning rates [{0.00625 if rank == 0 else 0.0125}]" in error, error
+        elif asymmetry == "clip":
+            clipped = ", after lite.clip_gradients(clip_val=0.05). So" if rank == 0 else ". So"
+            assert f"stepped 1 time(s), the last at learning rates [0.0125]{clipped}" in error, error
         else:
             assert f"stepped {2 if rank == 1 else 1} time(s), the last at learning rates [0.0125]" in error, error
         assert "scheduler.step(float(lite.all_reduce(val_loss" in error, error

@@ -1,10 +1,12 @@
 """An LR scheduler stepped on rank 0 alone (``if rank == 0: scheduler.step(...)``, as after an
 evaluation on rank 0), or an optimizer stepped once more on rank 1 alone, outside lite.join,
 under ddp, DeepSpeed, fsdp or model_parallel (FSDP2 over a data-parallel dimension of 2)
-(argv: strategy, then ``scheduler`` or ``step``, either after ``step-alone,``): refused on every rank
-at once, naming what each rank's optimizer did and the fix, at the backward after the first
-step that differs (the scheduler's: the second backward after it, one step with different
-rates taken; the extra step's: the next one). Before, the replicas parted without a word.
+(argv: strategy, then ``scheduler``, ``step`` or ``clip`` (``lite.clip_gradients`` by value
+on rank 0 alone before a step: where each rank clamps the gradients it holds, no collective
+runs), either after ``step-alone,``): refused on every rank at once, naming what each rank's
+optimizer did and the fix, at the backward after the first step that differs (the
+scheduler's and the clip's: the second backward after it, one step taken apart; the extra
+step's: the next one). Before, the replicas parted without a word.
 
 First what a correct script does, which must not be refused and equals plain torch:
 - a first model and optimizer are set up, trained one step and dropped; rank 1 still holds
@@ -12,7 +14,8 @@ First what a correct script does, which must not be refused and equals plain tor
   optimizers that step, not the ones still alive (an earlier digest of those refused this);
 - the second model trains two steps with its scheduler stepped on every rank;
 - a lite.join block over uneven batches (rank 0 two, rank 1 one: rank 1's optimizer step is
-  replayed while it is joined), then the scheduler on every rank, then one step outside join.
+  replayed while it is joined), then the scheduler on every rank, then one step outside join
+  with the gradients clipped by value on every rank.
 After the refusal, caught, the next collective pairs.
 
 ``step-alone``, under DeepSpeed ZeRO, first: rank 1 alone calls ``opt.step()`` with no backward
@@ -30,6 +33,7 @@ import scopedlite as lite
 from _common import from_every_rank, fsdp_over_data_parallel, full_params, make_model, params, write
 
 LR = 0.1
+CLIP = 0.05  # binds: the step's largest gradient is larger (reference() asserts it)
 
 
 def batches(rank, n):
@@ -52,8 +56,11 @@ def reference():
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
-    def step(loss):
+    def step(loss, clip=False):
         loss.backward()
+        if clip:
+            assert max(float(p.grad.abs().max()) for p in model.parameters()) > CLIP
+            torch.nn.utils.clip_grad_value_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
 
@@ -63,12 +70,14 @@ def reference():
     step(sum(loss_of(model, data[r][3]) for r in (0, 1)) / 2)  # in join, both ranks have data
     step(loss_of(model, data[0][4]) / 2)  # rank 1 joined: its share is zero, divided by 2
     sched.step()
-    step(sum(loss_of(model, data[r][5]) for r in (0, 1)) / 2)
+    step(sum(loss_of(model, data[r][5]) for r in (0, 1)) / 2, clip=True)
     return params(model), opt.param_groups[0]["lr"]
 
 
-def train(model, opt, x):
+def train(model, opt, x, clip=False):
     lite.backward(loss_of(model, x))
+    if clip:
+        lite.clip_gradients(model, opt, clip_val=CLIP)
     opt.step()
     opt.zero_grad()
 
@@ -96,7 +105,7 @@ with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=60) as r
         for x in data[3:5] if rank == 0 else data[3:4]:
             train(model, opt, x)
     sched.step()
-    train(model, opt, data[5])
+    train(model, opt, data[5], clip=True)
     expected, lr = reference()
     out = {"trained": full_params(model), "reference": expected, "lr": opt.param_groups[0]["lr"], "lr_ref": lr}
     out["error"] = out["refused_at"] = out["alone"] = None
@@ -111,7 +120,7 @@ with lite.launch(strategy=chosen, devices=2, accelerator="cpu", timeout=60) as r
         opt.step()  # rank 1 alone steps once more
     for i, x in enumerate(data[6:8]):
         try:
-            train(model, opt, x)
+            train(model, opt, x, clip=asymmetry == "clip" and rank == 0 and i == 0)  # rank 0 alone
         except RuntimeError as e:
             out["error"], out["refused_at"] = str(e), i
             break

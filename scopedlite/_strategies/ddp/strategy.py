@@ -120,6 +120,9 @@ class DDPStrategy(ScaledBackward, ProcessGroupStrategy):
         self._stepped.watch(optimizer, self.set_up)  # compared at each backward (stepped.py)
         return self.scaling.wrap_optimizer(optimizer, self.set_up)
 
+    def note_clip(self, how: str) -> None:
+        self._stepped.clipped(how)  # compared with the next step's digest (stepped.py)
+
     def _refuse_training_foreign(self, optimizer: torch.optim.Optimizer, foreign: list[tuple[int, Any]]) -> None:
         """DDP averages the gradients of its module's parameters only: one that no set-up
         model holds would be trained by each rank on its own batches, and the ranks' copies

@@ -394,6 +394,10 @@ class FSDPStrategy(ProcessGroupStrategy):
     def clips_together(self, by_norm: bool) -> bool:
         return by_norm  # the sharded gradients' norm; values clamp locally
 
+    def note_clip(self, how: str) -> None:
+        if self._stepped is not None:  # a clamp of values on some ranks only (stepped.py)
+            self._stepped.clipped(how)
+
     def clip_gradients(self, module, optimizer, max_norm, clip_val, norm_type=2.0):  # type: ignore[no-untyped-def]
         from torch.distributed.tensor import DTensor
 
