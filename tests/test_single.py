@@ -94,6 +94,25 @@ def test_clip_gradients_by_any_p_norm_matches_torch(norm_type):
         assert torch.equal(a.grad, b.grad)
 
 
+def test_clip_gradients_by_value_with_no_gradient_yet_clips_nothing():
+    """Before the first backward (or after `zero_grad()`): nothing to clip, as by norm (torch's
+    own clip_grad_value_ raises "Expected !nested_tensorlist[0].empty()" on no gradient), then
+    the next gradients are clamped."""
+    net, reference = _model(), _model()
+    model, opt = lite.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert lite.clip_gradients(model, opt, clip_val=0.1) is None
+    assert all(p.grad is None for p in model.parameters())
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    lite.backward(model(x).pow(2).sum())
+    lite.clip_gradients(model, opt, clip_val=0.1)
+    reference(x).pow(2).sum().backward()
+    torch.nn.utils.clip_grad_value_(reference.parameters(), 0.1)
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, reference.parameters()))
+    values = torch.cat([g.flatten() for g in grads]).abs()
+    assert values.max() == torch.tensor(0.1) and values.min() < 0.1  # some clamped, some not
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [

@@ -190,7 +190,9 @@ class Strategy(ABC):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if max_norm is not None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        torch.nn.utils.clip_grad_value_(params, clip_val)  # type: ignore[arg-type]
+        with_gradients = [p for p in params if p.grad is not None]
+        if with_gradients:  # torch's clip_grad_value_ fails on none ("Expected !nested_tensorlist[0].empty()")
+            torch.nn.utils.clip_grad_value_(with_gradients, clip_val)  # type: ignore[arg-type]
         return None
 
     # -- collectives (only called with world_size > 1) ----------------------------------

@@ -403,7 +403,8 @@ class FSDPStrategy(ProcessGroupStrategy):
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if max_norm is None:
-            torch.nn.utils.clip_grad_value_(params, clip_val)
+            if params:  # torch's clip_grad_value_ fails on no gradient at all
+                torch.nn.utils.clip_grad_value_(params, clip_val)
             return None
         # Each rank holds a slice of every gradient: the norm of the slices is partial and
         # must be reduced over all ranks before it is used (DTensor reduces a p-norm as a
