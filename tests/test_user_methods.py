@@ -175,6 +175,10 @@ def test_deepspeed_stage_3_refuses_a_gathering_method_on_some_ranks(script):
 
 def _check_gathering(seen: dict, strategy: str) -> None:
     model, _ = nanogpt.build(nanogpt.arguments([]))
+    # the whole model's counts (ZeRO-3 counted 0: its partitioned parameters hold no elements)
+    assert seen["counted"] == sum(p.numel() for p in model.parameters()) > 0, seen["counted"]
+    assert seen["num_params"] == model.get_num_params() > 0, seen["num_params"]
+    assert seen["mfu"] == model.estimate_mfu(1, 1.0) > 0, seen["mfu"]
     expected = model.generate(torch.tensor([[1, 8, 11]]), 4).tolist()
     assert seen["every_rank"] == expected and seen["every_rank_same"]
     refusal = seen["rank0_alone"]

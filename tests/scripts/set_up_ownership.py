@@ -48,8 +48,9 @@ class Net(torch.nn.Module):
 def ours(obj: object, built_by_setup: bool = False) -> list[str]:
     """The names in ``obj``'s instance ``__dict__`` that are ours, and an instance ``forward``
     or ``step`` / ``zero_grad`` that the class's own would hide; for a module, also a class of
-    ours (FSDP's module is the user's: its class is ours during the run only) and forward
-    hooks of ours; ``built_by_setup``: a module lite.setup built (DDP's), whose class may
+    ours (FSDP's module is the user's: its class is ours during the run only), forward
+    hooks of ours and parameters of a class of ours (ZeRO-3's, during the run only);
+    ``built_by_setup``: a module lite.setup built (DDP's), whose class may
     stay ours. A DeepSpeed face (ours) is looked through to the engine behind it."""
     if "_lite_engine" in dir(type(obj)):
         obj = object.__getattribute__(obj, "_lite_engine")
@@ -59,6 +60,7 @@ def ours(obj: object, built_by_setup: bool = False) -> list[str]:
             found.append(f"class {type(obj).__name__}")
         hooks = [*obj._forward_pre_hooks.values(), *obj._forward_hooks.values()]
         found += [f"hook {h.__qualname__}" for h in hooks if getattr(h, "__module__", "").startswith("scopedlite")]
+        found += [f"parameter class {type(p).__name__}" for p in obj.parameters() if "scopedlite" in type(p).__module__]
     return found
 
 

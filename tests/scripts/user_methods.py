@@ -12,7 +12,9 @@ argv: strategy (ddp | fsdp | deepspeed_stage_2 | deepspeed_stage_3)
   (refused on every rank) and forward's loss (trains).
 - every strategy but ZeRO-3: nanoGPT's loop (examples/nanogpt.py: ``estimate_mfu`` on rank 0
   only, accumulation, clipping), then again inside ``lite.join``.
-- fsdp and ZeRO-3: ``generate`` (a method that gathers) on every rank works, on rank 0 only
+- fsdp and ZeRO-3: the parameter count read on rank 0 alone, and ``get_num_params()`` and
+  ``estimate_mfu`` on every rank, are the whole model's (ZeRO-3's partitioned parameters
+  counted 0); ``generate`` (a method that gathers) on every rank works, on rank 0 only
   is refused naming it and the ranks, and inside ``lite.join`` is refused; the run goes on.
 
 Rank 0 writes parameters (full values), logged losses, counts and messages; the test compares
@@ -128,10 +130,13 @@ def gathering_method(run: lite.Run) -> dict:
     args = nanogpt.arguments([])
     model, optimizer = nanogpt.build(args)
     model, optimizer = lite.setup(model, optimizer)
+    # parameter counts: a plain read on rank 0 alone, a method (estimate_mfu's) on every rank
+    counted = sum(p.numel() for p in model.parameters()) if run.is_global_zero else None
+    result = {"counted": counted, "num_params": model.get_num_params(), "mfu": model.estimate_mfu(1, 1.0)}
     prompt = lite.to_device(torch.tensor([[1, 8, 11]]))
     tokens = model.generate(prompt, 4)
     gathered = lite.all_gather(tokens)
-    result = {"every_rank": tokens.tolist(), "every_rank_same": bool((gathered == gathered[0]).all())}
+    result |= {"every_rank": tokens.tolist(), "every_rank_same": bool((gathered == gathered[0]).all())}
     result["rank0_alone"] = "no error"
     if run.is_global_zero:
         try:

@@ -52,6 +52,7 @@ from scopedlite._strategies.deepspeed.logs import (
     quiet_deepspeed,
 )
 from scopedlite._strategies.deepspeed.torch_clipping import torch_clipping
+from scopedlite._strategies.deepspeed.whole_counts import count_whole
 from scopedlite._strategies.join.members import in_join
 from scopedlite._strategies.lockstep import GatherLedger, Nesting
 from scopedlite._strategies.process_group_strategy import ProcessGroupStrategy
@@ -287,6 +288,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 config=copy.deepcopy(self.config),
                 dist_init_required=False,
             )
+        count_whole(engine.module, self.set_up.at_end)  # ZeRO-3: p.numel() is the whole count
         if self.half_dtype is not None:
             self._hook(engine.register_forward_pre_hook(_input_caster(self.half_dtype), with_kwargs=True))
         nesting = None
