@@ -128,6 +128,12 @@ class UserModelView(torch.nn.Module):
         # reading it through getattr would come back here forever.
         return registered_submodule(self, "module")
 
+    def _lite_module(self) -> torch.nn.Module:
+        """The user's module inside the wrapper, which every built wrapper holds."""
+        inner = self._lite_inner()
+        assert inner is not None
+        return inner
+
     def __getattr__(self, name: str) -> Any:
         try:  # the wrapper's own parameters, buffers and submodules ("module")
             return torch.nn.Module.__getattr__(self, name)
@@ -178,11 +184,11 @@ class UserModelView(torch.nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """The user's module's state dict: the keys of the plain module (no ``module.``)."""
-        return self._lite_inner().state_dict(*args, **kwargs)  # type: ignore[union-attr]
+        return self._lite_module().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load a state dict of the plain module (the keys ``state_dict()`` gives)."""
-        return self._lite_inner().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[union-attr]
+        return self._lite_module().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 @functools.cache

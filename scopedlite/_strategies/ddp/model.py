@@ -37,7 +37,7 @@ class SetUpDDP(UserModelView, DistributedDataParallel):
         return forward_naming_unused(self, *args, **kwargs)
 
     def _lite_method(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
-        return ddp_method(self, self._lite_inner(), method, name)  # type: ignore[arg-type]
+        return ddp_method(self, self._lite_module(), method, name)
 
     def join_hook(self, **kwargs: Any) -> Any:
         """torch's ``Join([model])``: DDP's own hook, with the ranks' comparison of their

@@ -155,12 +155,6 @@ class EngineView(UserModelView):
     def _lite_inner(self) -> torch.nn.Module | None:
         return registered_submodule(object.__getattribute__(self, "_lite_engine"), "module")
 
-    def _lite_module(self) -> torch.nn.Module:
-        """The user's module inside the engine, which every built engine holds."""
-        inner = self._lite_inner()
-        assert inner is not None
-        return inner
-
     # DeepSpeed's own model.backward and model.step are the face's: the checked ones below
     # (lite.join wraps the engine's own for its block, which these reach)
     @property

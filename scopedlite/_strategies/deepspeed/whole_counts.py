@@ -36,8 +36,7 @@ class WholeCountParameter(torch.nn.Parameter):
     def numel(self) -> int:  # type: ignore[override]
         return full_shape(self).numel()
 
-    def nelement(self) -> int:  # type: ignore[override]
-        return full_shape(self).numel()
+    nelement = numel
 
 
 def count_whole(module: torch.nn.Module, at_end: Callable[[Callable[[], None]], None]) -> None:
